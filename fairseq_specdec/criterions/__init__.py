@@ -1,0 +1,1 @@
+from .glat_block import GlatBlockCriterion  # noqa: F401

@@ -1,0 +1,1 @@
+from .specdec_nat import SpecDecNATModel, mask_index  # noqa: F401

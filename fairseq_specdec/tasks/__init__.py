@@ -1,0 +1,1 @@
+from .draft_verify import DraftVerifyConfig, DraftVerifyTask  # noqa: F401

@@ -1,0 +1,109 @@
+"""The ``draft_verify`` task: fairseq's translation task plus speculative decoding.
+
+* ``--decoding`` picks the generator ``task.build_generator`` returns
+  (``autoregressive`` is fairseq's own SequenceGenerator, unchanged).
+* No sentence is ever lost outside training: fairseq-fixed drops the last
+  batch when its size is not a multiple of ``--required-batch-size-multiple``
+  (default 8), so ``fairseq-generate --batch-size 1`` translated 49 of 50
+  sentences.  Only the training split, loaded by the trainer, keeps the
+  multiple (it matters for fp16 efficiency on GPUs); every other dataset is
+  batched with a multiple of 1, which keeps every sentence.
+"""
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from fairseq.dataclass import ChoiceEnum
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+from .block_inputs import make_block_inputs
+
+logger = logging.getLogger(__name__)
+
+DECODING_CHOICES = ChoiceEnum(["autoregressive"])
+
+#: block size k used when --block-size is not given (paper 002 uses 25)
+DEFAULT_BLOCK_SIZE = 25
+
+
+@dataclass
+class DraftVerifyConfig(TranslationConfig):
+    decoding: DECODING_CHOICES = field(
+        default="autoregressive",
+        metadata={
+            "help": "decoding algorithm used by fairseq-generate/-interactive: "
+            "'autoregressive' is fairseq's own SequenceGenerator"
+        },
+    )
+    block_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": f"block size k: tokens the drafter predicts per pass. Training "
+            f"default {DEFAULT_BLOCK_SIZE}; decoding default: the drafter's training k"
+        },
+    )
+
+
+@register_task("draft_verify", dataclass=DraftVerifyConfig)
+class DraftVerifyTask(TranslationTask):
+    """Translation task whose generator can be a draft-then-verify decoder."""
+
+    cfg: DraftVerifyConfig
+
+    def __init__(self, cfg: DraftVerifyConfig, src_dict, tgt_dict):
+        super().__init__(cfg, src_dict, tgt_dict)
+        # ids of datasets the trainer loaded as its training split
+        self._training_datasets = set()
+
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
+        # fairseq's trainer loads its training subset with combine=True;
+        # validation (fairseq-train) and generation (fairseq-generate) with False.
+        if combine and split == self.cfg.train_subset:
+            self._training_datasets.add(id(self.datasets[split]))
+
+    @property
+    def train_block_size(self) -> int:
+        return self.cfg.block_size if self.cfg.block_size is not None else DEFAULT_BLOCK_SIZE
+
+    def add_block_inputs(self, sample, model, generator=None):
+        """Block-mask the targets of ``sample`` for a block drafter (a fresh
+        random cut every call); other models get ``sample`` unchanged."""
+        if not getattr(model, "is_block_drafter", False) or sample is None or "target" not in sample:
+            return sample
+        block = make_block_inputs(
+            sample["target"], self.tgt_dict.pad(), model.mask_idx, self.train_block_size, generator
+        )
+        net_input = dict(sample["net_input"])
+        net_input["prev_output_tokens"] = block.prev_output_tokens
+        net_input["block_mask"] = block.block_mask
+        return {**sample, "net_input": net_input, "block_target": block.block_target}
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        sample = self.add_block_inputs(sample, model)
+        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    def valid_step(self, sample, model, criterion):
+        # the same cuts at every validation, so that epochs are comparable
+        generator = None
+        if getattr(model, "is_block_drafter", False) and sample is not None and "id" in sample:
+            generator = torch.Generator().manual_seed(int(sample["id"].sum()) + 1)
+        sample = self.add_block_inputs(sample, model, generator)
+        return super().valid_step(sample, model, criterion)
+
+    def is_training_dataset(self, dataset) -> bool:
+        return id(dataset) in self._training_datasets
+
+    def get_batch_iterator(self, dataset, *args, required_batch_size_multiple=1, **kwargs):
+        if not self.is_training_dataset(dataset) and required_batch_size_multiple != 1:
+            logger.info(
+                "batching a non-training split with --required-batch-size-multiple 1 "
+                f"(not {required_batch_size_multiple}) so that no sentence is dropped"
+            )
+            required_batch_size_multiple = 1
+        return super().get_batch_iterator(
+            dataset, *args, required_batch_size_multiple=required_batch_size_multiple, **kwargs
+        )
