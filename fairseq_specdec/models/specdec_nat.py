@@ -18,6 +18,7 @@ every real token (``<unk>`` included) has the same id in drafter and
 verifier, and the mask can never be predicted: the output projection covers
 only the ``len(dictionary)`` real types.
 """
+import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ logger = logging.getLogger(__name__)
 def mask_index(dictionary) -> int:
     """Index of the drafter's mask symbol: one past the dictionary's last type."""
     return len(dictionary)
+
+
+def dictionary_fingerprint(dictionary) -> int:
+    """A 63-bit hash of the dictionary's symbols, in order."""
+    digest = hashlib.sha256("\n".join(dictionary.symbols).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -87,6 +94,13 @@ class SpecDecNATModel(TransformerModel):
     def __init__(self, args, encoder, decoder):
         super().__init__(args, encoder, decoder)
         self.num_updates = 0
+        # Saved with the weights so a decoder can check them: the block size the
+        # drafter was trained with, and the fingerprint of its target dictionary.
+        self.register_buffer("train_block_size", torch.tensor(0, dtype=torch.long))
+        self.register_buffer(
+            "dictionary_fingerprint",
+            torch.tensor(dictionary_fingerprint(decoder.dictionary), dtype=torch.long),
+        )
 
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)

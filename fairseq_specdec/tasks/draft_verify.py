@@ -23,7 +23,8 @@ from .block_inputs import make_block_inputs
 
 logger = logging.getLogger(__name__)
 
-DECODING_CHOICES = ChoiceEnum(["autoregressive"])
+DECODING_CHOICES = ChoiceEnum(["autoregressive", "draft-verify"])
+VERIFY_SCORE_CHOICES = ChoiceEnum(["verifier", "drafter"])
 
 #: block size k used when --block-size is not given (paper 002 uses 25)
 DEFAULT_BLOCK_SIZE = 25
@@ -35,8 +36,41 @@ class DraftVerifyConfig(TranslationConfig):
         default="autoregressive",
         metadata={
             "help": "decoding algorithm used by fairseq-generate/-interactive: "
-            "'autoregressive' is fairseq's own SequenceGenerator"
+            "'autoregressive' is fairseq's own SequenceGenerator; 'draft-verify' "
+            "drafts with a specdec_nat drafter and verifies with the --path model"
         },
+    )
+    drafter_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "checkpoint of the specdec_nat drafter for --decoding draft-verify "
+            "(or give it as the second model: --path verifier.pt:drafter.pt)"
+        },
+    )
+    verify_beta: int = field(
+        default=1,
+        metadata={
+            "help": "relaxed verification: accept a draft among the verifier's top-beta "
+            "tokens (1 = strict, identical to --beam 1)"
+        },
+    )
+    verify_tau: float = field(
+        default=0.0,
+        metadata={
+            "help": "relaxed verification: accept a draft whose score is within tau of "
+            "the verifier's top-1 log-prob (ignored when --verify-beta is 1)"
+        },
+    )
+    verify_score: VERIFY_SCORE_CHOICES = field(
+        default="verifier",
+        metadata={
+            "help": "whose log-prob of the drafted token --verify-tau compares: the "
+            "verifier's (paper 002) or the drafter's (paper 000)"
+        },
+    )
+    specdec_stats: Optional[str] = field(
+        default=None,
+        metadata={"help": "write per-sentence draft-verify statistics to this file (JSON lines)"},
     )
     block_size: Optional[int] = field(
         default=None,
@@ -57,6 +91,29 @@ class DraftVerifyTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         # ids of datasets the trainer loaded as its training split
         self._training_datasets = set()
+        # sentences the non-training batch iterators handed out so far
+        self.expected_sentences = 0
+
+    def build_model(self, cfg, from_checkpoint=False):
+        model = super().build_model(cfg, from_checkpoint)
+        if getattr(model, "is_block_drafter", False):
+            # overwritten by the checkpoint's value when one is loaded
+            model.train_block_size.fill_(self.train_block_size)
+        return model
+
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
+        if self.cfg.decoding == "autoregressive" or getattr(args, "score_reference", False):
+            if any(getattr(m, "is_block_drafter", False) for m in models):
+                raise ValueError(
+                    "a specdec_nat drafter was given in --path but --decoding is "
+                    "'autoregressive'; use --decoding draft-verify"
+                )
+            return super().build_generator(
+                models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
+            )
+        from ..generation.build import build_speculative_generator
+
+        return build_speculative_generator(self, models, args)
 
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
         super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
@@ -97,13 +154,39 @@ class DraftVerifyTask(TranslationTask):
     def is_training_dataset(self, dataset) -> bool:
         return id(dataset) in self._training_datasets
 
-    def get_batch_iterator(self, dataset, *args, required_batch_size_multiple=1, **kwargs):
-        if not self.is_training_dataset(dataset) and required_batch_size_multiple != 1:
+    def get_batch_iterator(
+        self,
+        dataset,
+        max_tokens=None,
+        max_sentences=None,
+        max_positions=None,
+        ignore_invalid_inputs=False,
+        required_batch_size_multiple=1,
+        seed=1,
+        num_shards=1,
+        shard_id=0,
+        **kwargs,
+    ):
+        training = self.is_training_dataset(dataset)
+        if not training and required_batch_size_multiple != 1:
             logger.info(
                 "batching a non-training split with --required-batch-size-multiple 1 "
                 f"(not {required_batch_size_multiple}) so that no sentence is dropped"
             )
             required_batch_size_multiple = 1
-        return super().get_batch_iterator(
-            dataset, *args, required_batch_size_multiple=required_batch_size_multiple, **kwargs
+        itr = super().get_batch_iterator(
+            dataset,
+            max_tokens=max_tokens,
+            max_sentences=max_sentences,
+            max_positions=max_positions,
+            ignore_invalid_inputs=ignore_invalid_inputs,
+            required_batch_size_multiple=required_batch_size_multiple,
+            seed=seed,
+            num_shards=num_shards,
+            shard_id=shard_id,
+            **kwargs,
         )
+        if not training:
+            shard = itr.frozen_batches[shard_id::num_shards]
+            self.expected_sentences += sum(len(batch) for batch in shard)
+        return itr

@@ -1,0 +1,70 @@
+"""Acceptance rules: which drafted tokens the verifier keeps.
+
+A rule maps, for a batch of B rows and k drafted tokens,
+
+* ``draft_tokens`` (B x k) and the drafter's log-probs of them (B x k, may be None),
+* ``lprobs`` (B x k x V): the verifier's log-probs at the k draft slots, after
+  fairseq's masks (pad, unk penalty, min/max length),
+* ``greedy`` (B x k): the token fairseq's ``--beam 1`` would pick at each slot,
+
+to a B x k bool tensor "draft j is acceptable at its slot".  The loop keeps the
+longest acceptable prefix and then the verifier's own token.
+"""
+import torch
+from torch import Tensor
+
+VERIFY_SCORES = ("verifier", "drafter")
+
+
+class StrictAcceptance:
+    """Accept a draft only if it is the verifier's greedy token: lossless."""
+
+    def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
+        return draft_tokens.eq(greedy)
+
+    def __repr__(self):
+        return "strict"
+
+
+class TopBetaAcceptance:
+    """Relaxed verification (paper 002 Eq. 8-9; paper 000 Eq. 6-7).
+
+    A draft is acceptable when it is among the verifier's top-``beta``
+    candidates and its score is within ``tau`` of the verifier's top-1
+    log-prob.  The score is the verifier's log-prob of the draft
+    (``score="verifier"``, paper 002 and the reference code) or the drafter's
+    (``score="drafter"``, paper 000).  Tokens fairseq forbids at that step
+    (log-prob -inf: pad, EOS before --min-len, anything but EOS at the length
+    limit) are never accepted.
+    """
+
+    def __init__(self, beta: int, tau: float, score: str = "verifier"):
+        if beta < 1:
+            raise ValueError(f"--verify-beta must be >= 1, got {beta}")
+        if tau < 0:
+            raise ValueError(f"--verify-tau must be >= 0, got {tau}")
+        if score not in VERIFY_SCORES:
+            raise ValueError(f"--verify-score must be one of {VERIFY_SCORES}, got {score!r}")
+        self.beta, self.tau, self.score = beta, tau, score
+
+    def __call__(self, draft_tokens, draft_lprobs, lprobs, greedy):
+        top_values, top_indices = lprobs.topk(min(self.beta, lprobs.size(-1)), dim=-1)
+        in_top = top_indices.eq(draft_tokens.unsqueeze(-1)).any(-1)
+        verifier_score = lprobs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        if self.score == "drafter":
+            if draft_lprobs is None:
+                raise ValueError("--verify-score drafter needs a drafter that returns log-probs")
+            score = draft_lprobs
+        else:
+            score = verifier_score
+        close = (top_values[..., 0] - score) <= self.tau
+        return in_top & close & torch.isfinite(verifier_score)
+
+    def __repr__(self):
+        return f"top-beta(beta={self.beta}, tau={self.tau}, score={self.score})"
+
+
+def build_acceptance(beta: int, tau: float, score: str):
+    """beta = 1 is strict verification whatever tau and score say."""
+    rule = TopBetaAcceptance(beta, tau, score)  # validates the values
+    return StrictAcceptance() if beta == 1 else rule

@@ -1,0 +1,123 @@
+"""Build the speculative generator from fairseq's generation options.
+
+Every option the loop cannot honour fails here, before any decoding, with a
+message naming it.
+"""
+import logging
+import os
+
+from fairseq import checkpoint_utils
+
+from ..models.specdec_nat import dictionary_fingerprint
+from .acceptance import build_acceptance
+from .drafters import NATBlockDrafter
+from .speculative import SpeculativeGenerator
+from .stats import SpecDecStats
+
+logger = logging.getLogger(__name__)
+
+# (option, predicate on its value that means "set to something we cannot honour")
+UNSUPPORTED_OPTIONS = [
+    ("sampling", lambda v: bool(v)),
+    ("sampling_topk", lambda v: v is not None and v > 0),
+    ("sampling_topp", lambda v: v is not None and v > 0),
+    ("diverse_beam_groups", lambda v: v is not None and v > 0),
+    ("diversity_rate", lambda v: v is not None and v > -1),
+    ("match_source_len", lambda v: bool(v)),
+    ("constraints", lambda v: bool(v)),
+    ("prefix_size", lambda v: v is not None and v > 0),
+    ("no_repeat_ngram_size", lambda v: v is not None and v > 0),
+    ("print_alignment", lambda v: bool(v)),
+    ("nbest", lambda v: v is not None and v > 1),
+    ("lm_path", lambda v: bool(v)),
+]
+
+
+def _option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_generation_options(args) -> None:
+    beam = getattr(args, "beam", 1)
+    if beam != 1:
+        raise ValueError(
+            f"--decoding draft-verify decodes greedily and needs --beam 1 (got --beam {beam})"
+        )
+    for name, unsupported in UNSUPPORTED_OPTIONS:
+        value = getattr(args, name, None)
+        if unsupported(value):
+            raise ValueError(f"--decoding draft-verify does not support {_option_name(name)} (got {value!r})")
+
+
+def load_drafter(task, path: str, like):
+    """Load a specdec_nat checkpoint with the task's dictionaries; placed on the
+    device and in the dtype of ``like`` (the verifier)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--drafter-path {path}: no such file")
+    models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
+    drafter = models[0]
+    if not getattr(drafter, "is_block_drafter", False):
+        raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a specdec_nat drafter")
+    param = next(like.parameters())
+    return drafter.to(device=param.device, dtype=param.dtype).eval()
+
+
+def check_drafter_dictionary(task, drafter, source: str) -> None:
+    expected = dictionary_fingerprint(task.target_dictionary)
+    found = int(drafter.dictionary_fingerprint)
+    if found != expected:
+        raise ValueError(
+            f"the drafter ({source}) was trained with a different target dictionary than "
+            f"the one in {task.cfg.data!r} that the verifier uses; drafter and verifier "
+            "must share one dictionary (train the drafter on data binarized with the "
+            "verifier's dict files)"
+        )
+
+
+def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
+    check_generation_options(args)
+    cfg = task.cfg
+    drafters = [m for m in models if getattr(m, "is_block_drafter", False)]
+    verifiers = [m for m in models if not getattr(m, "is_block_drafter", False)]
+    if len(verifiers) != 1:
+        raise ValueError(
+            f"--decoding draft-verify needs exactly one verifier in --path, got {len(verifiers)} "
+            "(ensembles are not supported)"
+        )
+    verifier = verifiers[0]
+    if cfg.drafter_path and drafters:
+        raise ValueError("give the drafter either with --drafter-path or in --path, not both")
+    if len(drafters) > 1:
+        raise ValueError(f"--path holds {len(drafters)} drafters; give one")
+    if drafters:
+        drafter_model, source = drafters[0], "second model in --path"
+    elif cfg.drafter_path:
+        drafter_model, source = load_drafter(task, cfg.drafter_path, verifier), cfg.drafter_path
+    else:
+        raise ValueError("--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt")
+    check_drafter_dictionary(task, drafter_model, source)
+
+    block_size = cfg.block_size if cfg.block_size is not None else int(drafter_model.train_block_size)
+    if block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {block_size}")
+    acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
+    stats = SpecDecStats(cfg.specdec_stats)
+    logger.info(
+        f"draft-verify decoding: block size {block_size}, acceptance {acceptance!r}, drafter {source}"
+    )
+    return SpeculativeGenerator(
+        verifier,
+        NATBlockDrafter(drafter_model),
+        acceptance,
+        task.target_dictionary,
+        block_size=block_size,
+        max_len_a=getattr(args, "max_len_a", 0),
+        max_len_b=getattr(args, "max_len_b", 200),
+        min_len=getattr(args, "min_len", 1),
+        normalize_scores=not getattr(args, "unnormalized", False),
+        len_penalty=getattr(args, "lenpen", 1),
+        unk_penalty=getattr(args, "unkpen", 0),
+        temperature=getattr(args, "temperature", 1.0),
+        stats=stats,
+        expected_sentences=lambda: task.expected_sentences,
+    )

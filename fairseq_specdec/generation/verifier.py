@@ -1,0 +1,180 @@
+"""The verifier: a stock fairseq Transformer run over several new tokens per
+row against its own incremental KV cache.
+
+fairseq's ``TransformerDecoder`` only decodes one new token per call when an
+incremental state is given.  :class:`CachedVerifier` runs the same modules
+(same weights, same embedding/position/layer code) over ``m`` new tokens at
+once: embeddings at each row's absolute positions, a causal mask among the new
+tokens, every cached key visible.  fairseq itself is not modified.
+"""
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from fairseq.models.transformer import TransformerDecoderBase
+
+
+class CachedVerifier:
+    """Parallel verification with a KV cache that can be rolled back.
+
+    **Cache invariant** (between two :meth:`forward` calls): for every active
+    row r with ``n_r`` accepted target tokens after the BOS, the self-attention
+    cache of every layer holds keys/values of exactly the first ``n_r``
+    accepted tokens ``[BOS, y_1, ..., y_{n_r - 1}]``, i.e. every accepted
+    token except the newest one, which is the first input of the next pass.
+    Entries are left-aligned: ``[0, n_r)`` of the time axis is valid, the rest
+    (up to the longest row) is marked in ``prev_key_padding_mask``.  The
+    encoder-decoder attention caches are computed once per sentence and never
+    trimmed; leaving rows are removed from both with :meth:`reorder`.
+    """
+
+    def __init__(self, model, temperature: float = 1.0):
+        decoder = model.decoder
+        if not isinstance(decoder, TransformerDecoderBase):
+            raise ValueError(
+                f"draft-verify needs a fairseq Transformer verifier, got decoder "
+                f"{type(decoder).__name__}"
+            )
+        if getattr(decoder, "adaptive_softmax", None) is not None:
+            raise ValueError("draft-verify does not support verifiers with adaptive softmax")
+        self.model = model
+        self.decoder = decoder
+        self.temperature = temperature
+        self.max_positions = decoder.max_positions()
+        param = next(model.parameters())
+        # row t = positional embedding of the token at index t (BOS at 0)
+        self.position_table: Optional[Tensor] = None
+        if decoder.embed_positions is not None:
+            n = min(self.max_positions, 4096) + 1
+            dummy = torch.full((1, n), decoder.padding_idx + 1, dtype=torch.long, device=param.device)
+            self.position_table = decoder.embed_positions(dummy)[0]
+        self.self_attns = [layer.self_attn for layer in decoder.layers]
+        self.incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
+        self.cache_lengths: Optional[Tensor] = None  # B: valid cache entries per row
+        self.cache_lengths_host: List[int] = []  # the same, on the host
+        self._last_m = 0
+
+    def encode(self, net_input) -> Dict[str, List[Tensor]]:
+        return self.model.encoder.forward_torchscript(net_input)
+
+    def start(self, bsz: int, device) -> None:
+        self.incremental_state = {}
+        self.cache_lengths = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.cache_lengths_host = [0] * bsz
+
+    def forward(self, tokens: Tensor, encoder_out) -> Tensor:
+        """Log-probs (B x m x V, float) after each of the ``m`` new tokens.
+
+        ``tokens[r, 0]`` is row r's newest accepted token and sits at index
+        ``cache_lengths[r]``; the others follow it.  Their keys/values are
+        appended to the cache; call :meth:`rollback` next.
+        """
+        dec = self.decoder
+        bsz, m = tokens.shape
+        x = dec.embed_scale * dec.embed_tokens(tokens)
+        if dec.quant_noise is not None:
+            x = dec.quant_noise(x)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        if self.position_table is not None:
+            index = self.cache_lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)
+            index = index.clamp_(max=self.position_table.size(0) - 1)
+            x = x + self.position_table[index]
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+        x = dec.dropout_module(x)
+        x = x.transpose(0, 1)
+
+        cached = self._cache_width()
+        attn_mask = None
+        if m > 1:
+            attn_mask = torch.cat(
+                [
+                    x.new_zeros(m, cached),
+                    torch.triu(x.new_full((m, m), -math.inf), 1),
+                ],
+                dim=1,
+            )
+        enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) > 0 else None
+        enc_pad = (
+            encoder_out["encoder_padding_mask"][0]
+            if len(encoder_out["encoder_padding_mask"]) > 0
+            else None
+        )
+        for layer in dec.layers:
+            x, _, _ = layer(
+                x, enc, enc_pad, self.incremental_state, self_attn_mask=attn_mask
+            )
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        x = x.transpose(0, 1)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        logits = dec.output_layer(x)
+        if self.temperature != 1.0:
+            logits = logits.div_(self.temperature)
+        self._last_m = m
+        return self.model.get_normalized_probs((logits, None), log_probs=True)
+
+    def _cache_width(self) -> int:
+        buf = self.self_attns[0]._get_input_buffer(self.incremental_state)
+        key = buf.get("prev_key") if buf else None
+        return 0 if key is None else key.size(2)
+
+    def rollback(self, keep: Tensor, keep_host: List[int]) -> None:
+        """Keep the first ``keep[r]`` of the entries the last :meth:`forward`
+        appended for row r (the inputs that are now accepted, newest excluded)
+        and re-establish the cache invariant."""
+        m = self._last_m
+        width = self._cache_width()
+        old = width - m
+        new_lengths = self.cache_lengths + keep
+        lengths_host = [c + k for c, k in zip(self.cache_lengths_host, keep_host)]
+        target = max(lengths_host) if lengths_host else 0
+        # Fast path (always at batch 1): every row's valid entries are [0, target)
+        if all(c == old for c in self.cache_lengths_host) and all(k == keep_host[0] for k in keep_host):
+            index = None
+        else:
+            device = keep.device
+            cols = torch.arange(width, device=device).unsqueeze(0)
+            valid = (cols < self.cache_lengths.unsqueeze(1)) | (
+                (cols >= old) & (cols < old + keep.unsqueeze(1))
+            )
+            # stable sort puts each row's valid entries first, in order
+            index = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :target]
+        pad_mask = None
+        if any(n != target for n in lengths_host):
+            pad_mask = torch.arange(target, device=keep.device).unsqueeze(0) >= new_lengths.unsqueeze(1)
+        for attn in self.self_attns:
+            buf = attn._get_input_buffer(self.incremental_state)
+            for name in ("prev_key", "prev_value"):
+                t = buf[name]
+                if index is None:
+                    buf[name] = t[:, :, :target]
+                else:
+                    g = index[:, None, :, None].expand(-1, t.size(1), -1, t.size(3))
+                    buf[name] = t.gather(2, g)
+            buf["prev_key_padding_mask"] = pad_mask
+            attn._set_input_buffer(self.incremental_state, buf)
+        self.cache_lengths = new_lengths
+        self.cache_lengths_host = lengths_host
+
+    def reorder(self, new_order: Tensor, encoder_out, new_order_host: List[int]):
+        """Keep only the rows in ``new_order``; returns the reordered encoder output."""
+        self.decoder.reorder_incremental_state_scripting(self.incremental_state, new_order)
+        self.cache_lengths = self.cache_lengths.index_select(0, new_order)
+        self.cache_lengths_host = [self.cache_lengths_host[i] for i in new_order_host]
+        # drop padding columns no remaining row needs
+        target = max(self.cache_lengths_host) if self.cache_lengths_host else 0
+        if target < self._cache_width():
+            for attn in self.self_attns:
+                buf = attn._get_input_buffer(self.incremental_state)
+                buf["prev_key"] = buf["prev_key"][:, :, :target]
+                buf["prev_value"] = buf["prev_value"][:, :, :target]
+                if buf.get("prev_key_padding_mask") is not None:
+                    mask = buf["prev_key_padding_mask"][:, :target]
+                    buf["prev_key_padding_mask"] = mask if bool(mask.any()) else None
+                attn._set_input_buffer(self.incremental_state, buf)
+        return self.model.encoder.reorder_encoder_out(encoder_out, new_order)
