@@ -40,6 +40,13 @@ class DraftVerifyConfig(TranslationConfig):
             "drafts with a specdec_nat drafter and verifies with the --path model"
         },
     )
+    init_from_verifier: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "training a specdec_nat drafter: initialize its encoder and embeddings "
+            "from this verifier checkpoint (the copied and kept tensors are logged)"
+        },
+    )
     drafter_path: Optional[str] = field(
         default=None,
         metadata={
@@ -99,6 +106,14 @@ class DraftVerifyTask(TranslationTask):
         if getattr(model, "is_block_drafter", False):
             # overwritten by the checkpoint's value when one is loaded
             model.train_block_size.fill_(self.train_block_size)
+            if self.cfg.init_from_verifier and not from_checkpoint:
+                from ..models.init_from_verifier import init_drafter_from_verifier
+
+                init_drafter_from_verifier(
+                    model, self.cfg.init_from_verifier, self.src_dict, self.tgt_dict
+                )
+        elif self.cfg.init_from_verifier and not from_checkpoint:
+            raise ValueError("--init-from-verifier applies to specdec_nat drafters only")
         return model
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):

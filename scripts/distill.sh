@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Sequence-level knowledge distillation (Kim & Rush 2016), as papers 000-002 use:
+# decode the training (and validation) source with the teacher through
+# fairseq-generate, then binarize the (source, teacher output) pairs with the
+# teacher's dictionary.
+#
+# Usage: scripts/distill.sh TEACHER_CKPT BIN_DIR BPE_DIR OUT_DIR [SRC] [TGT]
+#   BIN_DIR  binarized data the teacher was trained on (dict.*.txt, train, valid)
+#   BPE_DIR  the BPE text of that data ({train,val}.{SRC,TGT})
+#   OUT_DIR  receives the distilled text (OUT_DIR/text) and binarized data (OUT_DIR/bin)
+# Environment:
+#   BEAM (5)  MAX_TOKENS (6000)  THREADS (1)
+#   SHARDS (1)     split decoding with fairseq-generate --num-shards/--shard-id
+#   PARALLEL (0)   1: run the shards at the same time (one per GPU/core)
+#   EXTRA_GEN_ARGS extra fairseq-generate options (e.g. --fp16 on a GPU; omit --cpu via CPU=0)
+#   CPU (1)        pass --cpu to fairseq-generate
+# Idempotent: a finished shard or split is not decoded again.
+set -euo pipefail
+CKPT=$1; BIN=$2; BPE=$3; OUT=$4; SRC=${5:-en}; TGT=${6:-de}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BEAM=${BEAM:-5}; MAX_TOKENS=${MAX_TOKENS:-6000}; THREADS=${THREADS:-1}
+SHARDS=${SHARDS:-1}; PARALLEL=${PARALLEL:-0}; CPU=${CPU:-1}
+PY=${PYTHON:-python}
+CPU_FLAG=""; [ "$CPU" = 1 ] && CPU_FLAG="--cpu"
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+log() { echo "[distill $(date +%H:%M:%S)] $*"; }
+[ -f "$CKPT" ] || { echo "no teacher checkpoint: $CKPT" >&2; exit 2; }
+mkdir -p "$OUT/text" "$OUT/gen"
+
+decode_split() {  # fairseq split name, BPE file prefix
+  local split=$1 prefix=$2
+  local n; n=$(wc -l < "$BPE/$prefix.$SRC")
+  local out="$OUT/text/$prefix.$TGT"
+  if [ -s "$out" ]; then log "$split: already distilled ($out)"; return; fi
+  local pids=()
+  for ((shard = 0; shard < SHARDS; shard++)); do
+    local gen="$OUT/gen/$split.shard$shard.txt"
+    if [ -s "$gen.done" ]; then continue; fi
+    log "$split: decoding shard $((shard + 1))/$SHARDS of $n sentences (beam $BEAM)"
+    cmd=(fairseq-generate "$BIN" --user-dir "$HERE/fairseq_specdec" --task draft_verify
+         --decoding autoregressive --gen-subset "$split" --path "$CKPT" --beam "$BEAM"
+         --max-tokens "$MAX_TOKENS" --num-shards "$SHARDS" --shard-id "$shard"
+         --source-lang "$SRC" --target-lang "$TGT" $CPU_FLAG ${EXTRA_GEN_ARGS:-})
+    if [ "$PARALLEL" = 1 ]; then
+      ( "${cmd[@]}" > "$gen" 2> "$gen.log" && echo ok > "$gen.done" ) &
+      pids+=($!)
+    else
+      "${cmd[@]}" > "$gen" 2> "$gen.log"
+      echo ok > "$gen.done"
+      tail -1 "$gen" | sed "s/^/[distill]   /"
+    fi
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  "$PY" "$HERE/scripts/merge-hypotheses.py" --expected "$n" "$OUT/gen/$split".shard*.txt > "$out.part"
+  mv "$out.part" "$out"
+  cp "$BPE/$prefix.$SRC" "$OUT/text/$prefix.$SRC"
+  log "$split: $n sentences distilled into $out"
+}
+
+decode_split train train
+decode_split valid val
+
+if [ ! -s "$OUT/bin/train.$SRC-$TGT.$TGT.bin" ]; then
+  log "binarizing with the teacher's dictionary"
+  rm -rf "$OUT/bin.part"
+  fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" \
+    --trainpref "$OUT/text/train" --validpref "$OUT/text/val" \
+    --srcdict "$BIN/dict.$SRC.txt" --tgtdict "$BIN/dict.$TGT.txt" \
+    --destdir "$OUT/bin.part" --workers "${WORKERS:-2}"
+  # the test split stays the original one
+  for f in "$BIN"/test.*; do cp "$f" "$OUT/bin.part/"; done
+  rm -rf "$OUT/bin" && mv "$OUT/bin.part" "$OUT/bin"
+fi
+log "done: $OUT/bin"
