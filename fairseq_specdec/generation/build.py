@@ -10,7 +10,7 @@ from fairseq import checkpoint_utils
 
 from ..models.specdec_nat import dictionary_fingerprint
 from .acceptance import build_acceptance
-from .drafters import NATBlockDrafter
+from .drafters import BlockwiseHeadsDrafter, NATBlockDrafter, SourceCopyDrafter
 from .speculative import SpeculativeGenerator
 from .stats import SpecDecStats
 
@@ -41,12 +41,12 @@ def check_generation_options(args) -> None:
     beam = getattr(args, "beam", 1)
     if beam != 1:
         raise ValueError(
-            f"--decoding draft-verify decodes greedily and needs --beam 1 (got --beam {beam})"
+            f"speculative decoding is greedy and needs --beam 1 (got --beam {beam})"
         )
     for name, unsupported in UNSUPPORTED_OPTIONS:
         value = getattr(args, name, None)
         if unsupported(value):
-            raise ValueError(f"--decoding draft-verify does not support {_option_name(name)} (got {value!r})")
+            raise ValueError(f"speculative decoding does not support {_option_name(name)} (got {value!r})")
 
 
 def load_drafter(task, path: str, like):
@@ -74,40 +74,85 @@ def check_drafter_dictionary(task, drafter, source: str) -> None:
         )
 
 
-def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
-    check_generation_options(args)
-    cfg = task.cfg
+def _split_models(task, models):
     drafters = [m for m in models if getattr(m, "is_block_drafter", False)]
     verifiers = [m for m in models if not getattr(m, "is_block_drafter", False)]
     if len(verifiers) != 1:
         raise ValueError(
-            f"--decoding draft-verify needs exactly one verifier in --path, got {len(verifiers)} "
-            "(ensembles are not supported)"
+            f"--decoding {task.cfg.decoding} needs exactly one verifier in --path, got "
+            f"{len(verifiers)} (ensembles are not supported)"
         )
-    verifier = verifiers[0]
+    return verifiers[0], drafters
+
+
+def _nat_drafter(task, verifier, drafters):
+    cfg = task.cfg
     if cfg.drafter_path and drafters:
         raise ValueError("give the drafter either with --drafter-path or in --path, not both")
     if len(drafters) > 1:
         raise ValueError(f"--path holds {len(drafters)} drafters; give one")
     if drafters:
-        drafter_model, source = drafters[0], "second model in --path"
+        model, source = drafters[0], "second model in --path"
     elif cfg.drafter_path:
-        drafter_model, source = load_drafter(task, cfg.drafter_path, verifier), cfg.drafter_path
+        model, source = load_drafter(task, cfg.drafter_path, verifier), cfg.drafter_path
     else:
-        raise ValueError("--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt")
-    check_drafter_dictionary(task, drafter_model, source)
+        raise ValueError(
+            "--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
+        )
+    check_drafter_dictionary(task, model, source)
+    block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
+    return NATBlockDrafter(model), block_size, f"specdec_nat drafter {source}"
 
-    block_size = cfg.block_size if cfg.block_size is not None else int(drafter_model.train_block_size)
+
+def _source_copy_drafter(task, verifier, drafters):
+    if drafters or task.cfg.drafter_path:
+        raise ValueError("--decoding input-guided drafts from the source and takes no drafter")
+    src, tgt = task.source_dictionary, task.target_dictionary
+    if dictionary_fingerprint(src) != dictionary_fingerprint(tgt):
+        raise ValueError(
+            "--decoding input-guided copies source tokens into the output: source and "
+            "target must share one dictionary (fairseq-preprocess --joined-dictionary)"
+        )
+    # no cap by default: the whole rest of the source is one draft
+    block_size = task.cfg.block_size if task.cfg.block_size is not None else verifier.max_decoder_positions()
+    return SourceCopyDrafter(tgt.pad(), tgt.eos()), block_size, "the source (input-guided)"
+
+
+def _blockwise_drafter(task, verifier, drafters):
+    if drafters or task.cfg.drafter_path:
+        raise ValueError("--decoding blockwise drafts with the verifier's own heads and takes no drafter")
+    if not getattr(verifier, "has_blockwise_heads", False):
+        raise ValueError(
+            f"--decoding blockwise needs a blockwise_transformer checkpoint in --path, got "
+            f"{type(verifier).__name__}"
+        )
+    heads = verifier.blockwise_k - 1
+    block_size = min(task.cfg.block_size, heads) if task.cfg.block_size is not None else heads
+    return BlockwiseHeadsDrafter(verifier), block_size, f"{heads} blockwise heads of the verifier"
+
+
+DRAFTER_BUILDERS = {
+    "blockwise": _blockwise_drafter,
+    "draft-verify": _nat_drafter,
+    "input-guided": _source_copy_drafter,
+}
+
+
+def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
+    check_generation_options(args)
+    cfg = task.cfg
+    verifier, drafters = _split_models(task, models)
+    drafter, block_size, description = DRAFTER_BUILDERS[cfg.decoding](task, verifier, drafters)
     if block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {block_size}")
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
-    stats = SpecDecStats(cfg.specdec_stats)
+    stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding)
     logger.info(
-        f"draft-verify decoding: block size {block_size}, acceptance {acceptance!r}, drafter {source}"
+        f"{cfg.decoding} decoding: block size {block_size}, acceptance {acceptance!r}, drafter {description}"
     )
     return SpeculativeGenerator(
         verifier,
-        NATBlockDrafter(drafter_model),
+        drafter,
         acceptance,
         task.target_dictionary,
         block_size=block_size,

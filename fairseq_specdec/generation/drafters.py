@@ -7,8 +7,13 @@ class here, never a new loop:
 * ``draft(tokens, lengths, k) -> (draft_tokens B x k, draft_log_probs B x k or None)``
   where ``tokens`` is the B x T buffer of accepted target tokens (BOS at
   index 0, row r's accepted tokens at ``1 .. lengths[r]``);
-* ``reorder(new_order)``: keep only these rows (finished rows leave).
+* ``reorder(new_order)``: keep only these rows (finished rows leave);
+* optionally ``observe(features, n_new)``: after each verification, the
+  verifier's final decoder states (B x m x C) and the number of tokens each row
+  accepted; a drafter that reads the verifier's own states (blockwise heads)
+  drafts from them, so an iteration costs one model call.
 """
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -30,6 +35,12 @@ class Drafter:
     def reorder(self, new_order: Tensor) -> None:
         raise NotImplementedError
 
+    #: whether the loop must keep the verifier's decoder states for observe()
+    needs_features = False
+
+    def observe(self, features: Tensor, n_new: Tensor) -> None:
+        """Called after every verification pass (see the module docstring)."""
+
 
 class NATBlockDrafter(Drafter):
     """The Spec-Drafter (``specdec_nat``): one non-autoregressive pass over
@@ -50,3 +61,98 @@ class NATBlockDrafter(Drafter):
 
     def reorder(self, new_order):
         self.encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, new_order)
+
+
+class SourceCopyDrafter(Drafter):
+    """Input-guided aggressive decoding (paper 003, section 3.1, Algorithm 1).
+
+    The draft is the source itself: at the start, the whole source; later,
+    when the output's last 1, 2 or 3 tokens occur exactly once in the source
+    (the shortest unique n-gram wins), the rest of the source after that
+    occurrence; otherwise no draft (the loop then takes one greedy step).
+    The loop always appends the verifier's own token after the last accepted
+    draft, which plays the role of the paper's never-matching sentinel.
+    Source and target must share one dictionary.
+    """
+
+    def __init__(self, pad: int, eos: int, max_ngram: int = 3):
+        self.pad, self.eos, self.max_ngram = pad, eos, max_ngram
+        self.sources = []
+        self.index = []
+
+    def start(self, net_input, bsz: int) -> None:
+        self.sources, self.index = [], []
+        for row in net_input["src_tokens"].tolist():
+            src = [t for t in row if t != self.pad]
+            if src and src[-1] == self.eos:
+                src = src[:-1]
+            occurrences = {}
+            for n in range(1, self.max_ngram + 1):
+                for end in range(n, len(src) + 1):
+                    occurrences.setdefault(tuple(src[end - n : end]), []).append(end)
+            self.sources.append(src)
+            self.index.append(occurrences)
+
+    def _continuation(self, row: int, output):
+        src, occurrences = self.sources[row], self.index[row]
+        if not output:
+            return src
+        for n in range(1, min(self.max_ngram, len(output)) + 1):
+            ends = occurrences.get(tuple(output[-n:]))
+            if ends is None:
+                return []  # a longer suffix cannot occur either
+            if len(ends) == 1:
+                return src[ends[0] :]
+        return []
+
+    def draft(self, tokens, lengths, k):
+        lengths_host = lengths.tolist()
+        drafts = []
+        for i, n in enumerate(lengths_host):
+            suffix = tokens[i, max(1, n + 1 - self.max_ngram) : n + 1].tolist() if n > 0 else []
+            drafts.append(self._continuation(i, suffix)[:k])
+        width = max((len(d) for d in drafts), default=0)
+        out = tokens.new_full((len(drafts), width), self.pad)
+        for i, d in enumerate(drafts):
+            if d:
+                out[i, : len(d)] = torch.tensor(d, dtype=out.dtype)
+        return out, None
+
+    def reorder(self, new_order):
+        order = new_order.tolist()
+        self.sources = [self.sources[i] for i in order]
+        self.index = [self.index[i] for i in order]
+
+
+class BlockwiseHeadsDrafter(Drafter):
+    """Blockwise parallel decoding (paper 004): the k-1 heads of a
+    ``blockwise_transformer`` read the verifier's state at the last accepted
+    draft slot of the previous pass, whose base prediction is the token the
+    loop just appended, and propose the k-1 tokens after it (the merged
+    verify-and-predict step of section 4).  The first iteration has no draft."""
+
+    needs_features = True
+
+    def __init__(self, model):
+        if not getattr(model, "has_blockwise_heads", False):
+            raise ValueError(f"--decoding blockwise needs a blockwise_transformer, got {type(model).__name__}")
+        self.model = model
+        self.pending = None  # B x (k-1) drafts for the next iteration
+
+    def start(self, net_input, bsz):
+        self.pending = None
+
+    def observe(self, features, n_new):
+        state = features.gather(1, (n_new - 1).view(-1, 1, 1).expand(-1, 1, features.size(-1))).squeeze(1)
+        logits = self.model.head_logits(state)  # B x (k-1) x V
+        logits[..., self.model.decoder.dictionary.pad()] = -math.inf
+        self.pending = logits.argmax(-1)
+
+    def draft(self, tokens, lengths, k):
+        if self.pending is None:
+            return tokens.new_zeros((tokens.size(0), 0)), None
+        return self.pending[:, :k], None
+
+    def reorder(self, new_order):
+        if self.pending is not None:
+            self.pending = self.pending.index_select(0, new_order)

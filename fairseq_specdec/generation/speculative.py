@@ -78,7 +78,7 @@ class SpeculativeGenerator:
     def _mask_lprobs(self, lprobs: Tensor, steps: Tensor, max_len: int) -> None:
         """fairseq SequenceGenerator's per-step rules, in place; ``steps``
         (B x m) is the output index each slot predicts."""
-        lprobs[lprobs != lprobs] = -math.inf
+        lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
@@ -128,7 +128,18 @@ class SpeculativeGenerator:
             if drafter_limit is not None:
                 k_eff = max(0, min(k_eff, drafter_limit - max(lengths_host)))
             if k_eff > 0:
+                # a drafter may propose fewer than k_eff tokens (pad = no draft)
                 draft_tokens, draft_lprobs = self.drafter.draft(tokens, lengths, k_eff)
+                k_eff = draft_tokens.size(1)
+                # drafts after a drafted EOS can never be kept: do not verify them
+                eos_drafted = draft_tokens.eq(self.eos)
+                if k_eff > 1 and bool(eos_drafted.any()):
+                    first = torch.where(eos_drafted.any(1), eos_drafted.int().argmax(1) + 1, k_eff)
+                    cut = int(first.max())
+                    if cut < k_eff:
+                        k_eff = cut
+                        draft_tokens = draft_tokens[:, :cut]
+                        draft_lprobs = draft_lprobs[:, :cut] if draft_lprobs is not None else None
             else:
                 draft_tokens = tokens.new_zeros((n, 0))
                 draft_lprobs = None
@@ -177,6 +188,8 @@ class SpeculativeGenerator:
             cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
             lengths = lengths + n_new
 
+            if self.drafter.needs_features:
+                self.drafter.observe(verifier.last_features, n_new)
             n_new_host, done_host = torch.stack([n_new, has_eos.long()]).tolist()
             now = time.perf_counter()
             keep = []

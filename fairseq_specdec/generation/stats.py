@@ -15,7 +15,8 @@ class SpecDecStats:
     Tok. is their sum over all iterations divided by the number of iterations.
     """
 
-    def __init__(self, path: Optional[str] = None):
+    def __init__(self, path: Optional[str] = None, name: str = "draft-verify"):
+        self.name = name
         self.sentences = 0
         self.tokens = 0
         self.iterations = 0
@@ -51,7 +52,7 @@ class SpecDecStats:
     def summary(self) -> str:
         hist = " ".join(f"{n}:{self.histogram[n]}" for n in sorted(self.histogram))
         return (
-            f"draft-verify: {self.sentences} sentences, {self.tokens} target tokens, "
+            f"{self.name}: {self.sentences} sentences, {self.tokens} target tokens, "
             f"{self.iterations} iterations, Tok. {self.mean_accepted:.2f}, "
             f"{self.iterations / max(self.sentences, 1):.2f} iterations/sentence; "
             f"accepted tokens per iteration (count:iterations) {hist}"

@@ -55,6 +55,7 @@ class CachedVerifier:
         self.cache_lengths: Optional[Tensor] = None  # B: valid cache entries per row
         self.cache_lengths_host: List[int] = []  # the same, on the host
         self._last_m = 0
+        self.last_features: Optional[Tensor] = None
 
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
         return self.model.encoder.forward_torchscript(net_input)
@@ -112,6 +113,7 @@ class CachedVerifier:
         x = x.transpose(0, 1)
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
+        self.last_features = x  # B x m x C: what blockwise heads read
         logits = dec.output_layer(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)

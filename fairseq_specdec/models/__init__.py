@@ -1,1 +1,2 @@
+from .blockwise_transformer import BlockwiseTransformerModel  # noqa: F401
 from .specdec_nat import SpecDecNATModel, mask_index  # noqa: F401

@@ -152,3 +152,29 @@ def init_drafter_from_verifier(drafter, verifier_path: str, src_dict, tgt_dict) 
     unused = sorted({".".join(k.split(".")[:2]) for k in source if k not in used})
     logger.info("verifier tensors not used (by group): " + ", ".join(unused))
     return {"copied": copied, "not_copied": not_copied}
+
+
+def init_blockwise_from_verifier(model, verifier_path: str) -> Dict[str, List[str]]:
+    """Load a trained ``transformer`` into the base of a ``blockwise_transformer``:
+    every verifier tensor must exist in the model with the same shape; only
+    the heads (``heads.*``) keep their initialization."""
+    if not os.path.isfile(verifier_path):
+        raise FileNotFoundError(f"--init-from-verifier {verifier_path}: no such file")
+    source = checkpoint_utils.load_checkpoint_to_cpu(verifier_path)["model"]
+    target = model.state_dict()
+    unexpected = sorted(k for k in source if k not in target)
+    if unexpected:
+        raise ValueError(f"--init-from-verifier: the blockwise model has no tensor named {unexpected[:5]}")
+    for name, tensor in source.items():
+        if target[name].shape != tensor.shape:
+            raise ValueError(
+                f"--init-from-verifier: {name} has shape {tuple(tensor.shape)} in the verifier "
+                f"but {tuple(target[name].shape)} in the blockwise model"
+            )
+    not_copied = [k for k in target if k not in source]
+    model.load_state_dict({**target, **source}, strict=True)
+    logger.info(
+        f"initialized the blockwise model from {verifier_path}: copied all {len(source)} verifier "
+        f"tensors; kept at initialization: {', '.join(not_copied)}"
+    )
+    return {"copied": list(source), "not_copied": not_copied}

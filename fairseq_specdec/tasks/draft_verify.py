@@ -23,7 +23,7 @@ from .block_inputs import make_block_inputs
 
 logger = logging.getLogger(__name__)
 
-DECODING_CHOICES = ChoiceEnum(["autoregressive", "draft-verify"])
+DECODING_CHOICES = ChoiceEnum(["autoregressive", "draft-verify", "input-guided", "blockwise"])
 VERIFY_SCORE_CHOICES = ChoiceEnum(["verifier", "drafter"])
 
 #: block size k used when --block-size is not given (paper 002 uses 25)
@@ -37,7 +37,9 @@ class DraftVerifyConfig(TranslationConfig):
         metadata={
             "help": "decoding algorithm used by fairseq-generate/-interactive: "
             "'autoregressive' is fairseq's own SequenceGenerator; 'draft-verify' "
-            "drafts with a specdec_nat drafter and verifies with the --path model"
+            "drafts with a specdec_nat drafter and verifies with the --path model; "
+            "'input-guided' drafts by copying the source (same dictionary required); "
+            "'blockwise' drafts with the extra heads of a blockwise_transformer verifier"
         },
     )
     init_from_verifier: Optional[str] = field(
@@ -112,8 +114,15 @@ class DraftVerifyTask(TranslationTask):
                 init_drafter_from_verifier(
                     model, self.cfg.init_from_verifier, self.src_dict, self.tgt_dict
                 )
+        elif getattr(model, "has_blockwise_heads", False):
+            if self.cfg.init_from_verifier and not from_checkpoint:
+                from ..models.init_from_verifier import init_blockwise_from_verifier
+
+                init_blockwise_from_verifier(model, self.cfg.init_from_verifier)
         elif self.cfg.init_from_verifier and not from_checkpoint:
-            raise ValueError("--init-from-verifier applies to specdec_nat drafters only")
+            raise ValueError(
+                "--init-from-verifier applies to specdec_nat drafters and blockwise_transformer models"
+            )
         return model
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):

@@ -1,0 +1,40 @@
+# Multi30k EN-DE, CPU-sized setting (NOT a paper setting): 2 CPU cores, about
+# one hour end to end.  Sourced by scripts/run-multi30k.sh; override any
+# variable from the environment.
+#
+# Differences from the papers' WMT setting (configs/wmt14-en-de-base.sh):
+#  - one 3+3-layer d256 transformer is teacher and verifier (the papers train
+#    a separate teacher and retrain the verifier on distilled data);
+#  - the drafter is 3 encoder + 1 decoder layers, d256 (paper: 12 + 2, d512),
+#    block size 10 (paper: 25; Multi30k sentences are ~14 BPE tokens);
+#  - training is bounded by time, not updates.
+
+: "${SRC:=en}" "${TGT:=de}"
+: "${THREADS:=1}"                     # torch threads per training job
+: "${VERIFIER_MINUTES:=24}"           # wall-clock budget of verifier training
+: "${DRAFTER_MINUTES:=20}"            # wall-clock budget of drafter training
+: "${BLOCK_SIZE:=10}"
+: "${DISTILL_BEAM:=5}"
+
+VERIFIER_ARGS=(
+  --task translation --arch transformer
+  --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256
+  --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024
+  --encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings
+  --dropout 0.3 --weight-decay 0.0001
+  --criterion label_smoothed_cross_entropy --label-smoothing 0.1
+  --optimizer adam --adam-betas '(0.9, 0.98)' --lr 1e-3
+  --lr-scheduler inverse_sqrt --warmup-updates 400 --warmup-init-lr 1e-7
+  --max-tokens 2048 --max-epoch 30 --keep-last-epochs 3
+  --required-batch-size-multiple 1
+)
+
+DRAFTER_ARGS=(
+  --task draft_verify --arch specdec_nat_multi30k --criterion glat_block
+  --block-size "$BLOCK_SIZE" --share-all-embeddings
+  --dropout 0.1 --label-smoothing 0.1
+  --optimizer adam --adam-betas '(0.9, 0.999)' --adam-eps 1e-6 --weight-decay 0.01 --clip-norm 5
+  --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 400 --warmup-init-lr 1e-7
+  --max-tokens 4096 --max-epoch 60 --keep-last-epochs 5
+  --glance-anneal-updates 3000
+)

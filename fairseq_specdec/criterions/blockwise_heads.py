@@ -1,0 +1,99 @@
+"""``blockwise_heads``: train the k-1 extra heads of a ``blockwise_transformer``
+(paper 004, section 5).
+
+With teacher forcing, head i at target position t predicts the gold token
+``y[t + i]``; the label-smoothed losses of all heads are summed.  By default
+the base model is frozen (it runs in eval mode without gradient, so its
+greedy output, and hence draft-verify's output, stays that of the original
+verifier); ``--blockwise-finetune`` also trains the base with its own loss,
+the paper's fine-tuning variant.  ``head{i}_acc`` is head i's accuracy: the
+probability that its draft matches the gold token, a proxy for acceptance.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fairseq import metrics, utils
+from fairseq.criterions import FairseqCriterion, register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.dataclass import FairseqDataclass
+
+
+@dataclass
+class BlockwiseHeadsConfig(FairseqDataclass):
+    label_smoothing: float = field(default=0.1, metadata={"help": "epsilon for label smoothing"})
+    blockwise_finetune: bool = field(
+        default=False,
+        metadata={"help": "also train the base model (its greedy output then changes)"},
+    )
+
+
+@register_criterion("blockwise_heads", dataclass=BlockwiseHeadsConfig)
+class BlockwiseHeadsCriterion(FairseqCriterion):
+    def __init__(self, task, label_smoothing, blockwise_finetune):
+        super().__init__(task)
+        self.eps = label_smoothing
+        self.finetune = blockwise_finetune
+
+    def forward(self, model, sample, reduce=True):
+        if not getattr(model, "has_blockwise_heads", False):
+            raise ValueError("criterion blockwise_heads needs --arch blockwise_transformer")
+        net_input = sample["net_input"]
+        target = sample["target"]
+        if self.finetune:
+            features, _ = model(**net_input, features_only=True)
+        else:
+            base_was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                features, _ = model(**net_input, features_only=True)
+            model.train(base_was_training)
+        logging_output = {"nsentences": target.size(0)}
+        total_loss, total_nll, n_tokens = 0.0, 0.0, 0
+        if self.finetune:
+            lprobs = utils.log_softmax(model.decoder.output_layer(features), dim=-1)
+            mask = target.ne(self.padding_idx)
+            loss, nll = label_smoothed_nll_loss(lprobs[mask], target[mask].unsqueeze(-1), self.eps, reduce=True)
+            total_loss, total_nll, n_tokens = loss, nll, int(mask.sum())
+        head_logits = model.head_logits(features, frozen_projection=not self.finetune)  # B x T x (k-1) x V
+        for i in range(head_logits.size(2)):
+            ahead = i + 1
+            tgt = target[:, ahead:]
+            logits = head_logits[:, : tgt.size(1), i]
+            mask = tgt.ne(self.padding_idx)
+            lprobs = utils.log_softmax(logits[mask], dim=-1)
+            gold = tgt[mask]
+            loss, nll = label_smoothed_nll_loss(lprobs, gold.unsqueeze(-1), self.eps, reduce=True)
+            total_loss = total_loss + loss
+            total_nll = total_nll + nll
+            n_tokens += int(mask.sum())
+            logging_output[f"head{ahead + 1}_correct"] = int(lprobs.argmax(-1).eq(gold).sum())
+            logging_output[f"head{ahead + 1}_total"] = int(mask.sum())
+        logging_output.update(
+            loss=total_loss.data, nll_loss=total_nll.data, ntokens=n_tokens, sample_size=n_tokens
+        )
+        return total_loss, n_tokens, logging_output
+
+    @staticmethod
+    def reduce_metrics(logging_outputs) -> None:
+        def total(key):
+            return sum(log.get(key, 0) for log in logging_outputs)
+
+        sample_size = max(total("sample_size"), 1)
+        metrics.log_scalar("loss", total("loss") / sample_size / math.log(2), sample_size, round=3)
+        metrics.log_scalar("nll_loss", total("nll_loss") / sample_size / math.log(2), sample_size, round=3)
+        heads = sorted({k[: -len("_correct")] for log in logging_outputs for k in log if k.endswith("_correct")})
+        for head in heads:
+            metrics.log_scalar_sum(f"_{head}_correct", total(f"{head}_correct"))
+            metrics.log_scalar_sum(f"_{head}_total", total(f"{head}_total"))
+            metrics.log_derived(
+                f"{head}_acc",
+                lambda m, h=head: round(100.0 * m[f"_{h}_correct"].sum / m[f"_{h}_total"].sum, 2)
+                if m[f"_{h}_total"].sum > 0
+                else float("nan"),
+            )
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return False

@@ -1,0 +1,91 @@
+"""Blockwise parallel decoding (Stern et al. 2018, paper 004): a Transformer
+whose decoder output feeds k-1 extra heads that predict the tokens 2..k
+positions ahead.
+
+The base model is an ordinary fairseq ``transformer`` (same parameter names),
+so the model decodes with fairseq's own ``--beam 1`` unchanged and verifies
+its own drafts in ``--decoding blockwise``.  Head i (1 <= i < k) maps the
+decoder state h to ``h + W2_i relu(W1_i h)`` (hidden size d per head, k x d
+over all heads counting the base) and then through the shared output
+projection.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerConfig, TransformerModel
+from fairseq.models.transformer.transformer_base import TransformerModelBase
+from fairseq.models.transformer.transformer_legacy import base_architecture
+
+
+@dataclass
+class BlockwiseTransformerConfig(TransformerConfig):
+    blockwise_k: int = field(
+        default=4,
+        metadata={"help": "tokens predicted per position: the base prediction plus k-1 heads"},
+    )
+
+
+class BlockwiseHeads(nn.Module):
+    """k-1 residual feed-forward heads over the decoder state."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.fc1 = nn.Parameter(torch.empty(num_heads, dim, dim))
+        self.b1 = nn.Parameter(torch.zeros(num_heads, dim))
+        self.fc2 = nn.Parameter(torch.empty(num_heads, dim, dim))
+        self.b2 = nn.Parameter(torch.zeros(num_heads, dim))
+        nn.init.xavier_uniform_(self.fc1)
+        nn.init.zeros_(self.fc2)  # every head starts as the base prediction
+
+    def forward(self, features: Tensor) -> Tensor:
+        """(..., C) -> (..., num_heads, C)."""
+        hidden = F.relu(torch.einsum("...c,hcd->...hd", features, self.fc1) + self.b1)
+        return features.unsqueeze(-2) + torch.einsum("...hd,hdc->...hc", hidden, self.fc2) + self.b2
+
+
+@register_model("blockwise_transformer")
+class BlockwiseTransformerModel(TransformerModel):
+    #: the blockwise heads draft for this model's own verification
+    has_blockwise_heads = True
+
+    @classmethod
+    def add_args(cls, parser):
+        gen_parser_from_dataclass(parser, BlockwiseTransformerConfig(), delete_default=True, with_prefix="")
+
+    @classmethod
+    def build_model(cls, args, task):
+        blockwise_base(args)
+        if args.blockwise_k < 2:
+            raise ValueError(f"--blockwise-k must be >= 2, got {args.blockwise_k}")
+        model = super().build_model(args, task)
+        model.heads = BlockwiseHeads(args.decoder_output_dim or args.decoder_embed_dim, args.blockwise_k - 1)
+        return model
+
+    @property
+    def blockwise_k(self) -> int:
+        return self.heads.num_heads + 1
+
+    def head_logits(self, features: Tensor, frozen_projection: bool = False) -> Tensor:
+        """(..., C) decoder states -> (..., k-1, V) logits of the tokens 2..k ahead.
+
+        With ``frozen_projection`` no gradient reaches the shared output
+        projection (it is also the base model's, and its embedding when shared)."""
+        hidden = self.heads(features)
+        projection = self.decoder.output_projection
+        if frozen_projection and isinstance(projection, torch.nn.Linear):
+            return F.linear(hidden, projection.weight.detach(), None if projection.bias is None else projection.bias.detach())
+        return self.decoder.output_layer(hidden)
+
+
+@register_model_architecture("blockwise_transformer", "blockwise_transformer")
+def blockwise_base(args):
+    if getattr(args, "blockwise_k", None) is None:
+        args.blockwise_k = 4
+    base_architecture(args)

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The Multi30k EN-DE CPU recipe, end to end (what `make demo` runs):
+#   prepare -> verifier (teacher) -> distill -> drafter (init from verifier,
+#   glat_block) -> average -> benchmark
+# Every stage logs its progress and time, is skipped when its output exists,
+# and fairseq-train resumes from checkpoint_last.pt after an interruption.
+#
+# Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages, in order)
+# Environment: CONFIG (configs/multi30k-cpu.sh), OUT (runs/multi30k.SRC-TGT),
+#   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
+#   arguments for scripts/benchmark.py), plus every variable of the config.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CONFIG=${CONFIG:-$HERE/configs/multi30k-cpu.sh}
+# shellcheck source=/dev/null
+source "$CONFIG"
+OUT=${OUT:-$HERE/runs/multi30k.$SRC-$TGT}
+DATA=${DATA:-$HERE/data/multi30k.$SRC-$TGT}
+PY=${PYTHON:-python}
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
+STAGES=("$@")
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill drafter average benchmark)
+mkdir -p "$OUT"
+T0=$(date +%s)
+log() { echo "[multi30k $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*"; }
+hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
+
+stage_prepare() {
+  OUT_DIR=$DATA bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
+}
+
+stage_verifier() {
+  if [ -f "$OUT/verifier/DONE" ]; then log "verifier: done before"; return; fi
+  log "verifier: training for at most $VERIFIER_MINUTES minutes (log: $OUT/verifier.log)"
+  fairseq-train "$DATA/bin" "${VERIFIER_ARGS[@]}" --save-dir "$OUT/verifier" --cpu \
+    --stop-time-hours "$(hours "$VERIFIER_MINUTES")" --log-format simple --log-interval 50 \
+    --num-workers 0 --seed 1 >> "$OUT/verifier.log" 2>&1
+  grep "valid on" "$OUT/verifier.log" | tail -2 | sed 's/^/  /'
+  touch "$OUT/verifier/DONE"
+}
+
+stage_distill() {
+  log "distill: beam $DISTILL_BEAM over train and valid, 2 shards in parallel"
+  BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 \
+    bash "$HERE/scripts/distill.sh" "$OUT/verifier/checkpoint_best.pt" "$DATA/bin" "$DATA/bpe" "$OUT/distill" "$SRC" "$TGT"
+}
+
+stage_drafter() {
+  if [ -f "$OUT/drafter/DONE" ]; then log "drafter: done before"; return; fi
+  log "drafter: training for at most $DRAFTER_MINUTES minutes (log: $OUT/drafter.log)"
+  fairseq-train "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${DRAFTER_ARGS[@]}" \
+    --init-from-verifier "$OUT/verifier/checkpoint_best.pt" --save-dir "$OUT/drafter" --cpu \
+    --stop-time-hours "$(hours "$DRAFTER_MINUTES")" --log-format simple --log-interval 50 \
+    --num-workers 0 --seed 1 >> "$OUT/drafter.log" 2>&1
+  grep "valid on" "$OUT/drafter.log" | tail -2 | sed 's/^/  /'
+  touch "$OUT/drafter/DONE"
+}
+
+stage_average() {
+  local n=${AVERAGE_LAST:-5}
+  local have; have=$(ls "$OUT/drafter" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
+  [ "$have" -lt "$n" ] && n=$have
+  log "average: last $n epoch checkpoints of the drafter"
+  "$PY" "$HERE/scripts/average-checkpoints.py" --inputs "$OUT/drafter" --num-epoch-checkpoints "$n" \
+    --output "$OUT/drafter/checkpoint_avg.pt"
+}
+
+stage_benchmark() {
+  local raw=${MULTI30K_RAW:-}
+  if [ -z "$raw" ]; then
+    raw="$(cd "$HERE/.." && pwd)/shared/data/multi30k"; [ -d "$raw" ] || raw="$HERE/data/multi30k-raw"
+  fi
+  log "benchmark: 1,000 test sentences, every decoder (results in $OUT/benchmark)"
+  "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" \
+    --verifier "$OUT/verifier/checkpoint_best.pt" --drafter "$OUT/drafter/checkpoint_avg.pt" \
+    --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
+    --out "$OUT/benchmark" ${BENCH_ARGS:-}
+}
+
+for stage in "${STAGES[@]}"; do
+  case "$stage" in
+    prepare|verifier|distill|drafter|average|benchmark) ;;
+    *) echo "unknown stage '$stage' (prepare verifier distill drafter average benchmark)" >&2; exit 2;;
+  esac
+  log "stage $stage"
+  "stage_$stage"
+done
+log "all done in $(( ($(date +%s) - T0) / 60 )) minutes"
