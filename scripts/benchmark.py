@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Dict, List
 
+ROW_KINDS = ("beam5", "beam1", "strict", "relaxed", "input-guided", "blockwise")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PLUGIN = os.path.join(ROOT, "fairseq_specdec")
@@ -155,18 +156,20 @@ def read_lines(path: str) -> List[str]:
         return [line.rstrip("\n") for line in f]
 
 
-def score(text: Dict[str, str], n: int, raw_ref: List[str], tok_ref: List[str], lang: str) -> Dict:
+def score(text: Dict[str, str], raw_ref: List[str], tok_ref: List[str], lang: str) -> Dict:
+    """BLEU of the decoded sentences (ids are line numbers of the references)."""
     import sacrebleu
 
-    hyp_bpe = [text[str(i)] for i in range(n)]
+    ids = sorted(int(k) for k in text)
+    hyp_bpe = [text[str(i)] for i in ids]
     detok = detokenize(hyp_bpe, lang)
     bleu = sacrebleu.metrics.BLEU()
-    res = bleu.corpus_score(detok, [raw_ref[:n]])
+    res = bleu.corpus_score(detok, [[raw_ref[i] for i in ids]])
     out = {"sacrebleu": round(res.score, 2), "signature": str(bleu.get_signature())}
     if tok_ref:
         tok_hyp = [h.replace("@@ ", "") for h in hyp_bpe]
         tb = sacrebleu.metrics.BLEU(tokenize="none")
-        out["tok_bleu"] = round(tb.corpus_score(tok_hyp, [tok_ref[:n]]).score, 2)
+        out["tok_bleu"] = round(tb.corpus_score(tok_hyp, [[tok_ref[i] for i in ids]]).score, 2)
     return out
 
 
@@ -257,7 +260,10 @@ def main(argv=None):
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--data", help="binarized data directory (fairseq-preprocess output)")
     parser.add_argument("--verifier", help="verifier checkpoint (a fairseq transformer)")
-    parser.add_argument("--drafter", help="specdec_nat drafter checkpoint")
+    parser.add_argument("--drafter", help="specdec_nat drafter checkpoint (rows strict, relaxed)")
+    parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
+    parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
+                        help=f"decoders to run, from {', '.join(ROW_KINDS)} (beam5 and beam1 are always needed for the ratios)")
     parser.add_argument("--raw-ref", help="raw (untokenized) reference file, .gz allowed, for sacreBLEU")
     parser.add_argument("--tok-ref", help="tokenized reference file for tokenized BLEU (optional)")
     parser.add_argument("--src", default="en")
@@ -283,37 +289,57 @@ def main(argv=None):
         with open(spec["result_path"], "w") as f:
             json.dump(result, f)
         return
-    for name in ("data", "verifier", "drafter", "raw_ref"):
+    for name in ("data", "verifier", "raw_ref"):
         if not getattr(args, name):
             parser.error(f"--{name.replace('_', '-')} is required")
-    for path in (args.verifier, args.drafter, args.raw_ref):
-        if not os.path.exists(path):
+    for path in (args.verifier, args.drafter, args.blockwise, args.raw_ref):
+        if path and not os.path.exists(path):
             parser.error(f"no such file: {path}")
+    if "beam5" not in args.rows or "beam1" not in args.rows:
+        parser.error("--rows must include beam5 and beam1 (every speedup is a ratio to them)")
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stdout)
     os.makedirs(args.out, exist_ok=True)
     raw_ref = read_lines(args.raw_ref)
     tok_ref = read_lines(args.tok_ref) if args.tok_ref else []
 
     common = dict(data=args.data, src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit, warmup=args.warmup)
-    dv_path = f"{args.verifier}:{args.drafter}"
     k_args = ["--block-size", str(args.block_size)] if args.block_size else []
 
     def dv_spec(name, label, bs, beta=1, tau=0.0, k=None):
         extra = ["--decoding", "draft-verify", "--verify-beta", str(beta), "--verify-tau", str(tau),
                  "--verify-score", args.verify_score]
         extra += ["--block-size", str(k)] if k else k_args
-        return dict(common, name=name, label=label, decoding="draft-verify", path=dv_path, beam=1, batch_size=bs, extra=extra)
+        return dict(common, name=name, label=label, decoding="draft-verify", path=f"{args.verifier}:{args.drafter}",
+                    beam=1, batch_size=bs, extra=extra)
+
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in wanted if r not in ROW_KINDS]
+    if unknown:
+        parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROW_KINDS)}")
+    for kind, needs in (("strict", "drafter"), ("relaxed", "drafter"), ("blockwise", "blockwise")):
+        if kind in wanted and not getattr(args, needs):
+            parser.error(f"--rows {kind} needs --{needs}")
 
     specs = []
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        specs.append(dict(common, name=f"beam5@bs{bs}", label="fairseq beam 5", decoding="autoregressive", path=args.verifier, beam=5, batch_size=bs, extra=[]))
-        specs.append(dict(common, name=f"beam1@bs{bs}", label="fairseq beam 1", decoding="autoregressive", path=args.verifier, beam=1, batch_size=bs, extra=[]))
-        specs.append(dv_spec(f"strict@bs{bs}", "draft-verify strict", bs))
-        for pair in args.relaxed.split(","):
-            if not pair:
-                continue
-            beta, tau = pair.split(":")
-            specs.append(dv_spec(f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}", bs, int(beta), float(tau)))
+        ar = dict(common, decoding="autoregressive", path=args.verifier, batch_size=bs, extra=[])
+        for kind in wanted:
+            if kind == "beam5":
+                specs.append(dict(ar, name=f"beam5@bs{bs}", label="fairseq beam 5", beam=5))
+            elif kind == "beam1":
+                specs.append(dict(ar, name=f"beam1@bs{bs}", label="fairseq beam 1", beam=1))
+            elif kind == "strict":
+                specs.append(dv_spec(f"strict@bs{bs}", "draft-verify strict", bs))
+            elif kind == "relaxed":
+                for pair in args.relaxed.split(","):
+                    beta, tau = pair.split(":")
+                    specs.append(dv_spec(f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}", bs, int(beta), float(tau)))
+            elif kind == "input-guided":
+                specs.append(dict(ar, name=f"input-guided@bs{bs}", label="input-guided", decoding="input-guided", beam=1,
+                                  extra=["--decoding", "input-guided"]))
+            elif kind == "blockwise":
+                specs.append(dict(common, name=f"blockwise@bs{bs}", label="blockwise heads", decoding="blockwise",
+                                  path=args.blockwise, beam=1, batch_size=bs, extra=["--decoding", "blockwise"]))
 
     rows = []
     n_expected = None
@@ -330,13 +356,15 @@ def main(argv=None):
         if n != n_expected:
             raise RuntimeError(f"{spec['name']} decoded {n} sentences, expected {n_expected}")
         res.update({k: spec[k] for k in ("name", "label", "decoding", "batch_size")})
-        res.update(score(res["text"], n, raw_ref, tok_ref, args.tgt))
+        res.update(score(res["text"], raw_ref, tok_ref, args.tgt))
         res["sent_per_s"] = n / res["seconds"]
         res["ms_per_sent"] = 1000.0 * res["seconds"] / n
         logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']} ({time.time() - t0:.0f}s)")
         rows.append(res)
 
     by_name = {r["name"]: r for r in rows}
+    # identical-to-beam-1 compares with the beam-1 row of the same batch size;
+    # blockwise compares with its own base model's beam 1 when that differs
     for r in rows:
         bs = r["batch_size"]
         b5, b1 = by_name[f"beam5@bs{bs}"], by_name[f"beam1@bs{bs}"]
@@ -374,7 +402,7 @@ def main(argv=None):
             bt[f"beta={beta}"] = {}
             for tau in [float(x) for x in args.sweep_taus.split(",")]:
                 res = launch_worker(dv_spec(f"sweep-b{beta}t{tau}", "relaxed", 1, beta, tau))
-                sc = score(res["text"], res["sentences"], raw_ref, tok_ref, args.tgt)
+                sc = score(res["text"], raw_ref, tok_ref, args.tgt)
                 bt[f"beta={beta}"][_fmt(tau)] = {"tok": res["tok"], "ms": 1000.0 * res["seconds"] / res["sentences"], "sacrebleu": sc["sacrebleu"]}
                 logger.info(f"beta/tau sweep beta={beta} tau={tau}: Tok. {res['tok']:.2f}, BLEU {sc['sacrebleu']}")
         results["beta_tau_sweep"] = bt
@@ -387,7 +415,7 @@ def main(argv=None):
             f.write(f"sacreBLEU signature: `{rows[0]['signature']}`\n")
     for r in rows:
         with open(os.path.join(args.out, f"hyp.{r['name']}.txt"), "w") as f:
-            for i in range(n_expected):
+            for i in sorted(int(k) for k in r["text"]):
                 f.write(r["text"][str(i)] + "\n")
     slim = dict(results, rows=[{k: v for k, v in r.items() if k not in ("tokens", "text")} for r in rows])
     plots = make_plots(results, args.out)

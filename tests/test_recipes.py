@@ -1,0 +1,222 @@
+"""The WMT recipes (scripts/run-wmt.sh + configs/wmt*-base.sh), checked through
+their --dry-run output: every stage is there, and every fairseq-train and
+fairseq-generate command parses with fairseq's own parsers, with the plugin
+registered. Fast: nothing is trained, decoded or downloaded."""
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import fairseq_specdec  # noqa: E402,F401  (registers draft_verify, specdec_nat, glat_block)
+from fairseq import options  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "run-wmt.sh")
+PLUGIN = os.path.join(ROOT, "fairseq_specdec")
+STAGES = ["download", "prepare", "teacher", "distill", "verifier", "drafter", "average", "evaluate"]
+# config -> the papers' tokens per update (reference notes section 1)
+CONFIGS = {
+    "configs/wmt14-en-de-base.sh": 128 * 1024,
+    "configs/wmt16-en-ro-base.sh": 64 * 1024,
+}
+# shell syntax that ends the command's own arguments on a printed line
+SHELL_TOKENS = {">", ">>", "<", "2>", "2>>", "&", "|", "&&", ";"}
+
+
+def run_recipe(*args, **env_overrides):
+    # a clean environment: no CUDA_VISIBLE_DEVICES, NUM_GPUS, ... from the caller
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "LANG": "C.UTF-8"}
+    env.update(env_overrides)
+    return subprocess.run(
+        ["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def commands(stdout):
+    """Each printed command as (env assignments, argv), shell syntax removed."""
+    result = []
+    for line in stdout.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        tokens = shlex.split(line)
+        for i, tok in enumerate(tokens):
+            if tok in SHELL_TOKENS:
+                tokens = tokens[:i]
+                break
+        env = {}
+        if tokens and tokens[0] == "env":
+            tokens = tokens[1:]
+            while tokens and "=" in tokens[0] and not tokens[0].startswith("-"):
+                key, value = tokens.pop(0).split("=", 1)
+                env[key] = value
+        result.append((env, tokens))
+    return result
+
+
+def parse(parser_fn, argv):
+    return options.parse_args_and_arch(parser_fn(), argv)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def dry_run(request):
+    config = request.param
+    proc = run_recipe(config, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    return config, proc.stdout
+
+
+def test_every_stage_is_printed_in_order(dry_run):
+    _, out = dry_run
+    printed = [line.split()[2] for line in out.splitlines() if line.startswith("# stage ")]
+    assert printed == STAGES
+    # every stage prints at least one command
+    blocks = out.split("# stage ")[1:]
+    for block in blocks:
+        assert any(line and not line.startswith("#") for line in block.splitlines()[1:]), block[:80]
+
+
+def test_train_commands_parse_and_batch_size(dry_run):
+    config, out = dry_run
+    target = CONFIGS[config]
+    trains = [argv for _, argv in commands(out) if argv and argv[0] == "fairseq-train"]
+    assert len(trains) == 3  # teacher, verifier, drafter
+    for argv in trains:
+        assert argv[argv.index("--user-dir") + 1] == PLUGIN
+        args = parse(options.get_training_parser, argv[1:])
+        assert args.fp16
+        assert args.max_update > 0
+        tokens = args.distributed_world_size * args.max_tokens * args.update_freq[0]
+        print(f"{config} {args.arch}: {args.distributed_world_size} x {args.max_tokens} x "
+              f"{args.update_freq[0]} = {tokens} tokens per update")
+        assert abs(tokens - target) <= 0.1 * target, (args.arch, tokens, target)
+        # update checkpoints, so that the last 10 can be averaged
+        assert args.save_interval_updates > 0 and args.keep_interval_updates >= 10
+    teacher, verifier, drafter = (parse(options.get_training_parser, a[1:]) for a in trains)
+    assert teacher.arch == ("transformer_vaswani_wmt_en_de_big" if "en-de" in config else "transformer_wmt_en_de")
+    assert verifier.arch == "transformer_wmt_en_de"
+    assert verifier.criterion == teacher.criterion == "label_smoothed_cross_entropy"
+
+
+def test_drafter_command(dry_run):
+    config, out = dry_run
+    drafters = [(line, argv) for line, (_, argv) in zip(
+        [l for l in out.splitlines() if l.strip() and not l.startswith("#")], commands(out))
+        if argv and argv[0] == "fairseq-train" and "specdec_nat_base" in argv]
+    assert len(drafters) == 1
+    line, argv = drafters[0]
+    assert "--arch specdec_nat_base --criterion glat_block --block-size 25" in line
+    args = parse(options.get_training_parser, argv[1:])
+    assert (args.task, args.arch, args.criterion, args.block_size) == ("draft_verify", "specdec_nat_base", "glat_block", 25)
+    assert args.init_from_verifier.endswith("verifier/checkpoint_avg10.pt")
+    assert args.encoder_layers == 12 and args.decoder_layers == 2
+    assert args.adam_betas == "(0.9, 0.999)" and args.adam_eps == 1e-6
+    assert args.weight_decay == 0.01 and args.clip_norm == 5 and args.label_smoothing == 0.1
+    assert args.warmup_init_lr == 1e-7 and args.lr_scheduler == "inverse_sqrt"
+    if "en-de" in config:
+        assert (args.lr, args.dropout, args.warmup_updates, args.max_update) == ([5e-4], 0.1, 10000, 300000)
+    else:
+        assert (args.lr, args.dropout, args.warmup_updates, args.max_update) == ([1e-3], 0.2, 4000, 50000)
+
+
+def test_generate_commands_parse(dry_run):
+    _, out = dry_run
+    gens = [(env, argv) for env, argv in commands(out) if argv and argv[0] == "fairseq-generate"]
+    assert gens
+    for env, argv in gens:
+        assert argv[argv.index("--user-dir") + 1] == PLUGIN
+        assert "CUDA_VISIBLE_DEVICES" in env
+        args = parse(options.get_generation_parser, argv[1:])
+        assert args.task == "draft_verify"
+
+
+def test_distillation_is_sharded_over_the_gpus(dry_run):
+    _, out = dry_run
+    cmds = commands(out)
+    for split in ("train", "valid"):
+        shards = [(i, env, parse(options.get_generation_parser, argv[1:]))
+                  for i, (env, argv) in enumerate(cmds)
+                  if argv and argv[0] == "fairseq-generate" and argv[argv.index("--gen-subset") + 1] == split]
+        assert len(shards) == 8
+        assert sorted(a.shard_id for _, _, a in shards) == list(range(8))
+        assert {a.num_shards for _, _, a in shards} == {8}
+        assert sorted(env["CUDA_VISIBLE_DEVICES"] for _, env, _ in shards) == [str(i) for i in range(8)]
+        assert {a.beam for _, _, a in shards} == {5}
+        assert all(a.decoding == "autoregressive" and a.path.endswith("teacher/checkpoint_avg10.pt")
+                   for _, _, a in shards)
+        # then the shards are merged, in sentence order, with a sentence count
+        after = [argv for _, argv in cmds[shards[-1][0] + 1:]]
+        assert after[0] == ["wait"]
+        merge = after[1]
+        assert merge[1].endswith("scripts/merge-hypotheses.py") and "--expected" in merge
+        assert [os.path.basename(p) for p in merge[merge.index("--expected") + 2:]] == [
+            f"{split}.shard{i}.txt" for i in range(8)]
+    binarize = [argv for _, argv in cmds if argv and argv[0] == "fairseq-preprocess" and "--srcdict" in argv]
+    assert len(binarize) == 1
+
+
+def test_evaluation(dry_run):
+    config, out = dry_run
+    cmds = commands(out)
+    runs = {}
+    for env, argv in cmds:
+        if argv and argv[0] == "fairseq-generate" and argv[argv.index("--gen-subset") + 1] == "test":
+            a = parse(options.get_generation_parser, argv[1:])
+            assert a.post_process == "subword_nmt"
+            assert a.path.endswith("verifier/checkpoint_avg10.pt")
+            runs[(a.decoding, a.beam, a.verify_beta, a.verify_tau)] = a
+    assert ("autoregressive", 5, 1, 0.0) in runs
+    assert ("autoregressive", 1, 1, 0.0) in runs
+    assert ("draft-verify", 1, 1, 0.0) in runs
+    assert ("draft-verify", 1, 5, 3.0) in runs
+    for key, a in runs.items():
+        if key[0] == "draft-verify":
+            assert a.drafter_path.endswith("drafter/checkpoint_avg10.pt")
+    # the drafter that is evaluated is the average of its last 10 update checkpoints
+    avg = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("average-checkpoints.py")]
+    drafter_avg = [a for a in avg if a[a.index("--output") + 1].endswith("drafter/checkpoint_avg10.pt")]
+    assert len(drafter_avg) == 1 and drafter_avg[0][drafter_avg[0].index("--num-update-checkpoints") + 1] == "10"
+    # scoring: detokenized sacreBLEU and tokenized BLEU for every decoder
+    detok = [argv for _, argv in cmds if len(argv) > 2 and argv[1].endswith("moses.py") and argv[2] == "detokenize"]
+    sacre = [argv for _, argv in cmds if argv and argv[0] == "sacrebleu" and "-i" in argv]
+    tokenized = [argv for argv in sacre if "--tokenize" in argv and argv[argv.index("--tokenize") + 1] == "none"]
+    n = len(runs)
+    assert len(detok) == n
+    assert len(sacre) - len(tokenized) == n
+    assert len(tokenized) == (2 * n if "en-de" in config else n)  # EN-DE: also compound-split
+
+
+def test_fewer_gpus_keep_the_tokens_per_update():
+    proc = run_recipe("configs/wmt14-en-de-base.sh", "--dry-run", "teacher", "verifier", "drafter", NUM_GPUS="3")
+    assert proc.returncode == 0, proc.stderr
+    trains = [argv for _, argv in commands(proc.stdout) if argv and argv[0] == "fairseq-train"]
+    assert len(trains) == 3
+    for argv in trains:
+        args = parse(options.get_training_parser, argv[1:])
+        assert args.distributed_world_size == 3
+        tokens = 3 * args.max_tokens * args.update_freq[0]
+        assert abs(tokens - 131072) <= 0.1 * 131072
+
+
+def test_selected_stages_only():
+    proc = run_recipe("configs/wmt16-en-ro-base.sh", "--dry-run", "average")
+    assert proc.returncode == 0, proc.stderr
+    assert [l for l in proc.stdout.splitlines() if l.startswith("# stage")] == ["# stage average"]
+    (_, argv), = commands(proc.stdout)
+    assert argv[1].endswith("average-checkpoints.py")
+
+
+def test_unknown_stage_fails_with_a_message():
+    proc = run_recipe("configs/wmt14-en-de-base.sh", "--dry-run", "prepare", "train-everything")
+    assert proc.returncode != 0
+    assert "unknown stage 'train-everything'" in proc.stderr
+    assert proc.stdout == ""  # nothing printed (or run) before the check
+
+
+def test_missing_config_fails():
+    proc = run_recipe("configs/no-such-config.sh", "--dry-run")
+    assert proc.returncode != 0
+    assert "no such config" in proc.stderr
