@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast clean-venv
+.PHONY: install test test-fast demo gec-demo clean-venv
 
 install: $(STAMP)
 
@@ -22,6 +22,15 @@ test: install
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v -m "not slow" tests
+
+# Multi30k EN-DE CPU recipe end to end (about an hour on 2 cores): data,
+# verifier, distillation, drafter, averaging, then the benchmark table.
+demo: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/run-multi30k.sh
+
+# input-guided aggressive decoding on a GEC-style corpus made from Multi30k
+gec-demo: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/run-gec-demo.sh
 
 clean-venv:
 	rm -rf $(VENV)

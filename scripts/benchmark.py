@@ -268,6 +268,7 @@ def main(argv=None):
     parser.add_argument("--tok-ref", help="tokenized reference file for tokenized BLEU (optional)")
     parser.add_argument("--src", default="en")
     parser.add_argument("--tgt", default="de")
+    parser.add_argument("--detok-lang", default=None, help="Moses detokenizer language (default: --tgt)")
     parser.add_argument("--out", required=False, default="benchmark-results")
     parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per decoder (default 1)")
     parser.add_argument("--batch-sizes", default="1,32", help="batch sizes of the main table")
@@ -356,7 +357,7 @@ def main(argv=None):
         if n != n_expected:
             raise RuntimeError(f"{spec['name']} decoded {n} sentences, expected {n_expected}")
         res.update({k: spec[k] for k in ("name", "label", "decoding", "batch_size")})
-        res.update(score(res["text"], raw_ref, tok_ref, args.tgt))
+        res.update(score(res["text"], raw_ref, tok_ref, args.detok_lang or args.tgt))
         res["sent_per_s"] = n / res["seconds"]
         res["ms_per_sent"] = 1000.0 * res["seconds"] / n
         logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']} ({time.time() - t0:.0f}s)")
@@ -402,7 +403,7 @@ def main(argv=None):
             bt[f"beta={beta}"] = {}
             for tau in [float(x) for x in args.sweep_taus.split(",")]:
                 res = launch_worker(dv_spec(f"sweep-b{beta}t{tau}", "relaxed", 1, beta, tau))
-                sc = score(res["text"], raw_ref, tok_ref, args.tgt)
+                sc = score(res["text"], raw_ref, tok_ref, args.detok_lang or args.tgt)
                 bt[f"beta={beta}"][_fmt(tau)] = {"tok": res["tok"], "ms": 1000.0 * res["seconds"] / res["sentences"], "sacrebleu": sc["sacrebleu"]}
                 logger.info(f"beta/tau sweep beta={beta} tau={tau}: Tok. {res['tok']:.2f}, BLEU {sc['sacrebleu']}")
         results["beta_tau_sweep"] = bt

@@ -11,7 +11,8 @@
 # Environment:
 #   BEAM (5)  MAX_TOKENS (6000)  THREADS (1)
 #   SHARDS (1)     split decoding with fairseq-generate --num-shards/--shard-id
-#   PARALLEL (0)   1: run the shards at the same time (one per GPU/core)
+#   PARALLEL (0)   1: run the shards at the same time (one per core; with CPU=0,
+#                  shard i on GPU i)
 #   EXTRA_GEN_ARGS extra fairseq-generate options (e.g. --fp16 on a GPU; omit --cpu via CPU=0)
 #   CPU (1)        pass --cpu to fairseq-generate
 # Idempotent: a finished shard or split is not decoded again.
@@ -42,7 +43,10 @@ decode_split() {  # fairseq split name, BPE file prefix
          --max-tokens "$MAX_TOKENS" --num-shards "$SHARDS" --shard-id "$shard"
          --source-lang "$SRC" --target-lang "$TGT" $CPU_FLAG ${EXTRA_GEN_ARGS:-})
     if [ "$PARALLEL" = 1 ]; then
-      ( "${cmd[@]}" > "$gen" 2> "$gen.log" && echo ok > "$gen.done" ) &
+      # on GPUs (CPU=0) shard i runs on GPU i
+      local devices=${CUDA_VISIBLE_DEVICES:-}
+      [ "$CPU" = 1 ] || devices=$shard
+      ( CUDA_VISIBLE_DEVICES=$devices "${cmd[@]}" > "$gen" 2> "$gen.log" && echo ok > "$gen.done" ) &
       pids+=($!)
     else
       "${cmd[@]}" > "$gen" 2> "$gen.log"
