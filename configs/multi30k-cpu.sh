@@ -15,6 +15,7 @@
 : "${DRAFTER_MINUTES:=20}"            # wall-clock budget of drafter training
 : "${BLOCK_SIZE:=10}"
 : "${DISTILL_BEAM:=5}"
+: "${BLOCKWISE_MINUTES:=10}"          # optional stage `blockwise` (paper 004 heads)
 
 VERIFIER_ARGS=(
   --task translation --arch transformer
@@ -37,4 +38,17 @@ DRAFTER_ARGS=(
   --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 400 --warmup-init-lr 1e-7
   --max-tokens 4096 --max-epoch 60 --keep-last-epochs 5
   --glance-anneal-updates 3000
+)
+
+# Blockwise parallel decoding (paper 004): k-1 = 3 heads on the frozen verifier,
+# trained on the distilled data (optional stage `blockwise`).
+BLOCKWISE_ARGS=(
+  --task draft_verify --arch blockwise_transformer --blockwise-k 4
+  --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256
+  --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024
+  --encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings
+  --criterion blockwise_heads --label-smoothing 0.1 --dropout 0.1
+  --optimizer adam --adam-betas '(0.9, 0.98)' --lr 1e-3
+  --lr-scheduler inverse_sqrt --warmup-updates 200 --warmup-init-lr 1e-7
+  --max-tokens 4096 --max-epoch 20 --no-epoch-checkpoints
 )

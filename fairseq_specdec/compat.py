@@ -19,7 +19,8 @@ function here is idempotent.
    logging, so their own ``basicConfig`` calls become no-ops: log lines go to
    stderr in the wrong format and ``fairseq-generate --results-path`` loses its
    "Translated N sentences" line.  :func:`restore_fairseq_logging` removes that
-   stray handler and re-applies the configuration the running tool asked for.
+   stray handler and installs the configuration the running tool asked for
+   (:class:`FairseqCLIHandler`).
 """
 import argparse
 import functools
@@ -103,7 +104,9 @@ def _wrap_torch_load(original):
             return original(f, *args, **kwargs)
         except Exception as exc:  # torch raises pickle.UnpicklingError
             msg = str(exc)
-            if "Weights only load failed" not in msg:
+            # only a refused global is a trust question; a corrupt or foreign
+            # file keeps torch's own error
+            if "Weights only load failed" not in msg or "Unsupported global" not in msg:
                 raise
             detail = next(
                 (ln.strip() for ln in msg.splitlines() if "Unsupported global" in ln),
@@ -141,9 +144,9 @@ def _is_stray_debug_handler(handler: logging.Handler) -> bool:
 
 
 def _cli_log_stream():
-    """The stream the running fairseq command line asked its logs to go to:
-    ``fairseq-generate`` writes them to ``output_file`` (``--results-path``),
-    the other tools to stdout."""
+    """The stream the running fairseq command line wants its log on:
+    ``fairseq-generate`` writes it to ``output_file`` (the ``--results-path``
+    file) while its ``_main`` runs; everything else goes to stdout."""
     frame = sys._getframe(1)
     while frame is not None:
         if (
@@ -156,6 +159,21 @@ def _cli_log_stream():
     return sys.stdout
 
 
+class FairseqCLIHandler(logging.StreamHandler):
+    """Root handler in fairseq's format whose stream is looked up at every
+    record (see :func:`_cli_log_stream`).  The plugin is imported while
+    fairseq parses the command line, before ``fairseq-generate`` opens its
+    ``--results-path`` file, so the stream cannot be fixed at import time."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+        self.setFormatter(logging.Formatter(FAIRSEQ_LOG_FORMAT, FAIRSEQ_LOG_DATEFMT))
+
+    def emit(self, record):
+        self.stream = _cli_log_stream()
+        super().emit(record)
+
+
 def restore_fairseq_logging() -> bool:
     """Undo fairseq's stray ``basicConfig(level=DEBUG)``. Returns whether it
     was found (and fixed)."""
@@ -165,12 +183,9 @@ def restore_fairseq_logging() -> bool:
         return False
     for handler in stray:
         root.removeHandler(handler)
-    logging.basicConfig(
-        format=FAIRSEQ_LOG_FORMAT,
-        datefmt=FAIRSEQ_LOG_DATEFMT,
-        level=os.environ.get("LOGLEVEL", "INFO").upper(),
-        stream=_cli_log_stream(),
-    )
+    if not root.handlers:
+        root.addHandler(FairseqCLIHandler())
+    root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
     return True
 
 

@@ -5,7 +5,9 @@
 # Every stage logs its progress and time, is skipped when its output exists,
 # and fairseq-train resumes from checkpoint_last.pt after an interruption.
 #
-# Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages, in order)
+# Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages but the
+#   optional `blockwise`, in order; the benchmark adds a blockwise row when
+#   that stage has run)
 # Environment: CONFIG (configs/multi30k-cpu.sh), OUT (runs/multi30k.SRC-TGT),
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
 #   arguments for scripts/benchmark.py), plus every variable of the config.
@@ -56,6 +58,17 @@ stage_drafter() {
   touch "$OUT/drafter/DONE"
 }
 
+stage_blockwise() {
+  if [ -f "$OUT/blockwise/DONE" ]; then log "blockwise: done before"; return; fi
+  log "blockwise: training 3 heads on the frozen verifier for at most $BLOCKWISE_MINUTES minutes (log: $OUT/blockwise.log)"
+  fairseq-train "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${BLOCKWISE_ARGS[@]}" \
+    --init-from-verifier "$OUT/verifier/checkpoint_best.pt" --save-dir "$OUT/blockwise" --cpu \
+    --stop-time-hours "$(hours "$BLOCKWISE_MINUTES")" --log-format simple --log-interval 50 \
+    --num-workers 0 --seed 1 >> "$OUT/blockwise.log" 2>&1
+  grep "valid on" "$OUT/blockwise.log" | tail -1 | sed 's/^/  /'
+  touch "$OUT/blockwise/DONE"
+}
+
 stage_average() {
   local n=${AVERAGE_LAST:-5}
   local have; have=$(ls "$OUT/drafter" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
@@ -70,8 +83,12 @@ stage_benchmark() {
   if [ -z "$raw" ]; then
     raw="$(cd "$HERE/.." && pwd)/shared/data/multi30k"; [ -d "$raw" ] || raw="$HERE/data/multi30k-raw"
   fi
+  local extra=()
+  if [ -f "$OUT/blockwise/checkpoint_best.pt" ]; then
+    extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt" --rows beam5,beam1,strict,relaxed,blockwise)
+  fi
   log "benchmark: 1,000 test sentences, every decoder (results in $OUT/benchmark)"
-  "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" \
+  "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" "${extra[@]}" \
     --verifier "$OUT/verifier/checkpoint_best.pt" --drafter "$OUT/drafter/checkpoint_avg.pt" \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
     --out "$OUT/benchmark" ${BENCH_ARGS:-}
@@ -79,8 +96,8 @@ stage_benchmark() {
 
 for stage in "${STAGES[@]}"; do
   case "$stage" in
-    prepare|verifier|distill|drafter|average|benchmark) ;;
-    *) echo "unknown stage '$stage' (prepare verifier distill drafter average benchmark)" >&2; exit 2;;
+    prepare|verifier|distill|drafter|blockwise|average|benchmark) ;;
+    *) echo "unknown stage '$stage' (prepare verifier distill drafter blockwise average benchmark)" >&2; exit 2;;
   esac
   log "stage $stage"
   "stage_$stage"

@@ -41,12 +41,14 @@ class GlatBlockConfig(FairseqDataclass):
         default=0.3, metadata={"help": "glancing ratio after --glance-anneal-updates"}
     )
     glance_anneal_updates: Optional[int] = field(
-        default=II("optimization.max_update"),
+        default=None,
         metadata={
             "help": "updates over which the ratio anneals linearly (default: "
             "--max-update; with neither, the ratio stays at the start value)"
         },
     )
+    # not a command-line option: resolved from --max-update by fairseq's config
+    max_update: int = II("optimization.max_update")
 
 
 def glance_ratio(num_updates: int, start: float, end: float, anneal_updates: int) -> float:
@@ -64,12 +66,14 @@ def choose_glanced_slots(valid: torch.Tensor, n_glance: torch.Tensor) -> torch.T
 
 @register_criterion("glat_block", dataclass=GlatBlockConfig)
 class GlatBlockCriterion(FairseqCriterion):
-    def __init__(self, task, label_smoothing, glance_ratio_start, glance_ratio_end, glance_anneal_updates):
+    def __init__(
+        self, task, label_smoothing, glance_ratio_start, glance_ratio_end, glance_anneal_updates, max_update=0
+    ):
         super().__init__(task)
         self.eps = label_smoothing
         self.ratio_start = glance_ratio_start
         self.ratio_end = glance_ratio_end
-        self.anneal_updates = glance_anneal_updates
+        self.anneal_updates = glance_anneal_updates if glance_anneal_updates else max_update
 
     def forward(self, model, sample, reduce=True):
         net_input = sample["net_input"]

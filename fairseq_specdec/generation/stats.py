@@ -60,7 +60,7 @@ class SpecDecStats:
 
     def report(self, expected: Optional[int]) -> None:
         """Log the summary once all ``expected`` sentences are decoded."""
-        if expected is not None and self.sentences >= expected and self._reported_at != self.sentences:
+        if expected is not None and self.sentences == expected and self._reported_at != self.sentences:
             self._reported_at = self.sentences
             logger.info(self.summary())
             if self._file is not None:

@@ -106,6 +106,18 @@ class SpecDecNATModel(TransformerModel):
         super().set_num_updates(num_updates)
         self.num_updates = num_updates
 
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        """Refuse weights trained with another dictionary before any size
+        mismatch can hide the reason."""
+        saved = state_dict.get("dictionary_fingerprint")
+        if saved is not None and int(saved) != int(self.dictionary_fingerprint):
+            raise ValueError(
+                "this specdec_nat checkpoint was trained with a different target dictionary "
+                "than the one loaded now (the verifier's): drafter and verifier must share "
+                "one dictionary (binarize the drafter's data with the verifier's dict files)"
+            )
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+
     @property
     def mask_idx(self) -> int:
         return self.decoder.mask_idx

@@ -1,0 +1,89 @@
+"""Session fixtures: the toy corpus and the tiny models, each built once per session.
+
+Fixtures are lazy: the fast tests only binarize the toy corpus; the models are
+trained the first time a (slow) test asks for them.
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import specdec_helpers as H  # noqa: E402
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def toy_bin(tmp_path_factory):
+    """Binarized toy corpus: train/valid and test splits test (50), test1 (57), test2 (1000)."""
+    import toy_corpus
+
+    root = tmp_path_factory.mktemp("toy")
+    raw, dest = root / "raw", root / "bin"
+    toy_corpus.write_corpus(str(raw), H.SPLITS)
+    toy_corpus.binarize(str(raw), str(dest), tests=("test", "test1", "test2"))
+    return str(dest)
+
+
+@pytest.fixture(scope="session")
+def ar_checkpoint(toy_bin, tmp_path_factory):
+    """A tiny Transformer trained by stock fairseq-train (no --user-dir)."""
+    save_dir = tmp_path_factory.mktemp("ckpt_ar")
+    H.run([
+        H.cli("fairseq-train"), toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, *H.OPTIM_ARGS,
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-update", "400", "--save-dir", save_dir,
+    ])
+    path = save_dir / "checkpoint_best.pt"
+    assert path.is_file()
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def nat_training(toy_bin, tmp_path_factory):
+    """(checkpoint path, training log) of a tiny specdec_nat drafter, k = 4."""
+    save_dir = tmp_path_factory.mktemp("ckpt_nat")
+    proc = H.run([
+        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.NAT_ARGS, "--block-size", "4",
+        *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
+    ])
+    path = save_dir / "checkpoint_best.pt"
+    assert path.is_file()
+    return str(path), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def nat_checkpoint(nat_training):
+    return nat_training[0]
+
+
+@pytest.fixture(scope="session")
+def random_drafter_checkpoint(toy_bin, tmp_path_factory):
+    """An untrained specdec_nat_tiny (k = 4) saved in-process as a checkpoint."""
+    model, _, cfg = H.build_untrained_drafter(toy_bin, seed=7, block_size=4)
+    path = tmp_path_factory.mktemp("ckpt_rand") / "random_drafter.pt"
+    return H.save_model_checkpoint(model, cfg, path)
+
+
+@pytest.fixture(scope="session")
+def verifier(ar_checkpoint, toy_bin):
+    """(model, task) of the trained tiny Transformer, loaded in-process."""
+    return H.load_model(ar_checkpoint, toy_bin)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(toy_bin):
+    """(model, task, cfg): an untrained in-process specdec_nat_tiny, eval mode."""
+    model, task, cfg = H.build_untrained_drafter(toy_bin, seed=3, block_size=4)
+    return model.eval(), task, cfg
+
+
+def pytest_configure(config):
+    # fairseq/hydra deprecation noise
+    config.addinivalue_line("filterwarnings", "ignore::UserWarning")

@@ -1,0 +1,224 @@
+"""Shared helpers for the fairseq-specdec tests (imported by conftest and tests)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
+USER_DIR = str(ROOT / "fairseq_specdec")
+for _p in (str(ROOT), str(TESTS_DIR)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+#: the tiny Transformer verifier (stock fairseq, --task translation)
+AR_ARCH_ARGS = [
+    "--arch", "transformer",
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+    "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--share-all-embeddings",
+]
+OPTIM_ARGS = [
+    "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt",
+    "--warmup-updates", "50", "--max-tokens", "1024", "--dropout", "0.0",
+    "--no-epoch-checkpoints", "--cpu", "--seed", "1",
+]
+#: the tiny specdec_nat drafter (--task draft_verify)
+NAT_ARGS = [
+    "--task", "draft_verify", "--arch", "specdec_nat_tiny", "--criterion", "glat_block",
+    "--share-all-embeddings",
+]
+
+# n lines, seed; test1/test2 exist for the lost-sentence guard (57 and 1000 lines)
+SPLITS = {
+    "train": (3000, 1),
+    "valid": (100, 2),
+    "test": (50, 3),
+    "test1": (57, 4),
+    "test2": (1000, 5),
+}
+SPLIT_SIZES = {name: n for name, (n, _) in SPLITS.items()}
+
+
+TRUST_ENV = "SPECDEC_TRUSTED_CHECKPOINTS"
+
+
+def cli(name):
+    """A fairseq command-line tool of the running venv."""
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def subprocess_env():
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env.pop(TRUST_ENV, None)
+    return env
+
+
+def run(cmd, check=True, timeout=900, cwd=None):
+    proc = subprocess.run(
+        [str(c) for c in cmd],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+        cwd=cwd,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"
+            f"--- stdout (tail) ---\n{proc.stdout[-4000:]}\n--- stderr (tail) ---\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def generate(data, path, *extra, plugin=True, task="translation", split="test", batch_size=1, check=True):
+    """Run fairseq-generate; returns the CompletedProcess."""
+    cmd = [cli("fairseq-generate"), data, "--path", path, "--gen-subset", split,
+           "--task", task, "--beam", "1", "--batch-size", str(batch_size), "--cpu"]
+    if plugin:
+        cmd += ["--user-dir", USER_DIR]
+    cmd += list(extra)
+    return run(cmd, check=check)
+
+
+_H = re.compile(r"^H-(\d+)\t(\S+)\t(.*)$")
+_P = re.compile(r"^P-(\d+)\t(.*)$")
+
+
+def parse_generate(text):
+    """{id: (score, tokens_str, [positional scores])} from fairseq-generate output.
+
+    Raises if an id appears twice (a sentence translated twice is a bug too)."""
+    hyps, pos = {}, {}
+    for line in text.splitlines():
+        m = _H.match(line)
+        if m:
+            i = int(m.group(1))
+            assert i not in hyps, f"H-{i} printed twice"
+            hyps[i] = (float(m.group(2)), m.group(3))
+            continue
+        m = _P.match(line)
+        if m:
+            pos[int(m.group(1))] = [float(x) for x in m.group(2).split()]
+    return {i: (s, t, pos.get(i)) for i, (s, t) in hyps.items()}
+
+
+def assert_same_hypotheses(ref, got, atol=1e-4):
+    """Same ids, identical token strings, scores and positional scores within atol.
+
+    P- lines are printed rounded to 4 decimals, so two values that differ by
+    less than ``atol`` may print up to 1e-4 further apart."""
+    p_atol = atol + 1.01e-4 if atol > 0 else 0.0
+    assert sorted(got) == sorted(ref), (
+        f"ids differ: missing {sorted(set(ref) - set(got))[:10]}, extra {sorted(set(got) - set(ref))[:10]}"
+    )
+    for i in sorted(ref):
+        rs, rt, rp = ref[i]
+        gs, gt, gp = got[i]
+        assert gt == rt, f"sentence {i}: tokens differ\n ref: {rt}\n got: {gt}"
+        assert abs(gs - rs) <= atol, f"sentence {i}: score {gs} != {rs}"
+        assert rp is not None and gp is not None and len(gp) == len(rp), f"sentence {i}: P- line"
+        for j, (a, b) in enumerate(zip(rp, gp)):
+            assert abs(a - b) <= p_atol, f"sentence {i}: positional score {j}: {b} != {a}"
+
+
+def train_args_namespace(data, *argv):
+    """Parse fairseq-train options (with the plugin) the way fairseq-train does."""
+    import fairseq_specdec  # noqa: F401
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, *argv])
+    return args, convert_namespace_to_omegaconf(args)
+
+
+def generation_cfg(data, *argv):
+    """Parse fairseq-generate options (with the plugin) the way fairseq-generate does."""
+    import fairseq_specdec  # noqa: F401
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_generation_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--user-dir", USER_DIR, "--cpu", *argv])
+    return convert_namespace_to_omegaconf(args)
+
+
+def save_model_checkpoint(model, cfg, path, criterion_name="GlatBlockCriterion"):
+    """Save ``model`` as a checkpoint shaped like the one fairseq's trainer writes."""
+    import torch
+    from omegaconf import OmegaConf
+
+    state = {
+        "args": None,
+        "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "model": model.state_dict(),
+        "criterion": None,
+        "optimizer_history": [
+            {
+                "criterion_name": criterion_name,
+                "optimizer_name": "Adam",
+                "lr_scheduler_state": {"best": None},
+                "num_updates": 0,
+            }
+        ],
+        "task_state": {},
+        "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
+    }
+    torch.save(state, str(path))
+    return str(path)
+
+
+def build_untrained_drafter(data, seed=1, block_size=4, extra=()):
+    """(model, task, cfg): an untrained specdec_nat_tiny on ``data``'s dictionary."""
+    import torch
+    from fairseq import tasks
+
+    _, cfg = train_args_namespace(
+        data, *NAT_ARGS, "--block-size", str(block_size), "--dropout", "0.0", "--cpu",
+        "--optimizer", "adam", "--max-update", "100", *extra,
+    )
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(seed)
+    model = task.build_model(cfg.model)
+    return model, task, cfg
+
+
+def load_model(path, data):
+    """(model, task) through fairseq's own loader (and so through the plugin's
+    safe torch.load)."""
+    import fairseq_specdec  # noqa: F401
+    from fairseq import checkpoint_utils
+
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(data)})
+    return models[0].eval(), task
+
+
+def batches(task, split, batch_size):
+    """Every sample of ``split`` in batches of at most ``batch_size`` sentences."""
+    if split not in task.datasets:
+        task.load_dataset(split)
+    dataset = task.dataset(split)
+    itr = task.get_batch_iterator(
+        dataset=dataset,
+        max_sentences=batch_size,
+        required_batch_size_multiple=1,
+        ignore_invalid_inputs=False,
+    ).next_epoch_itr(shuffle=False)
+    return list(itr)
+
+
+def decode(generator, model, samples):
+    """{id: hypothesis dict} of ``generator`` on ``samples``."""
+    out = {}
+    for sample in samples:
+        hypos = generator.generate([model], sample)
+        for i, sid in enumerate(sample["id"].tolist()):
+            assert sid not in out
+            out[sid] = hypos[i][0]
+    return out

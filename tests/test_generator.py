@@ -1,0 +1,287 @@
+"""SpeculativeGenerator in-process: strict verification reproduces fairseq's
+own ``--beam 1`` SequenceGenerator exactly, whatever the drafter proposes.
+
+The reference is fairseq's SequenceGenerator on the same batches; the drafters
+are an oracle (proposes the reference continuation: every draft accepted), a
+rejecting drafter (proposes pad, which the verifier never picks: every draft
+rejected) and an untrained specdec_nat drafter (mostly wrong, sometimes right).
+"""
+import json
+import math
+
+import pytest
+import torch
+
+import specdec_helpers as H
+import fairseq_specdec  # noqa: F401
+from fairseq.sequence_generator import SequenceGenerator
+from fairseq_specdec.generation import (
+    Drafter,
+    NATBlockDrafter,
+    SpecDecStats,
+    SpeculativeGenerator,
+    StrictAcceptance,
+    TopBetaAcceptance,
+)
+
+pytestmark = pytest.mark.slow  # needs the trained verifier (fairseq-train)
+
+
+class ListDrafter(Drafter):
+    """Base for drafters that know the sentence ids of the batch."""
+
+    def begin(self, ids):
+        self.rows = list(ids)
+
+    def start(self, net_input, bsz):
+        assert bsz == len(self.rows)
+
+    def reorder(self, new_order):
+        self.rows = [self.rows[i] for i in new_order.tolist()]
+
+
+class OracleDrafter(ListDrafter):
+    """Proposes the reference output; checks the prefix it is given."""
+
+    def __init__(self, refs, filler):
+        self.refs, self.filler = refs, filler
+        self.calls = 0
+
+    def draft(self, tokens, lengths, k):
+        self.calls += 1
+        out = []
+        for r, (row, n) in enumerate(zip(self.rows, lengths.tolist())):
+            ref = self.refs[row]
+            # the drafter contract: BOS at 0, the accepted tokens at 1 .. n
+            assert tokens[r, 1 : n + 1].tolist() == ref[:n], f"sentence {row}: wrong prefix"
+            cont = ref[n : n + k]
+            out.append(cont + [self.filler] * (k - len(cont)))
+        t = torch.tensor(out, dtype=torch.long).view(len(self.rows), k)
+        return t, torch.zeros(t.shape)
+
+
+class RejectingDrafter(ListDrafter):
+    """Always proposes pad: fairseq masks it, so strict verification rejects it."""
+
+    def __init__(self, pad):
+        self.pad = pad
+
+    def draft(self, tokens, lengths, k):
+        return torch.full((len(self.rows), k), self.pad, dtype=torch.long), None
+
+
+class IdsAwareNAT(NATBlockDrafter):
+    def begin(self, ids):
+        pass
+
+
+def run_generator(gen, model, samples, drafter=None):
+    out = {}
+    for sample in samples:
+        if drafter is not None:
+            drafter.begin(sample["id"].tolist())
+        hypos = gen.generate([model], sample)
+        assert len(hypos) == len(sample["id"])
+        for i, sid in enumerate(sample["id"].tolist()):
+            assert sid not in out
+            assert len(hypos[i]) == 1
+            out[sid] = hypos[i][0]
+    return out
+
+
+def assert_identical(ref, got, atol=1e-4):
+    assert sorted(got) == sorted(ref)
+    for i in ref:
+        r, g = ref[i], got[i]
+        assert g["tokens"].tolist() == r["tokens"].tolist(), f"sentence {i}"
+        assert abs(float(g["score"]) - float(r["score"])) <= atol, f"sentence {i}: score"
+        assert g["positional_scores"].shape == r["positional_scores"].shape
+        assert torch.allclose(g["positional_scores"], r["positional_scores"], atol=atol), f"sentence {i}"
+
+
+def read_stats(path):
+    with open(path) as f:
+        return {d["id"]: d for d in map(json.loads, f)}
+
+
+def check_stats(stats, hyps, k):
+    """Per-sentence statistics agree with the output."""
+    assert sorted(stats) == sorted(hyps)
+    for i, s in stats.items():
+        n = len(hyps[i]["tokens"])  # EOS included
+        assert s["length"] == n - 1
+        assert s["iterations"] == len(s["accepted"]) >= 1
+        assert sum(s["accepted"]) == n - 1
+        assert all(1 <= a <= k + 1 for a in s["accepted"][:-1])
+        assert 0 <= s["accepted"][-1] <= k
+
+
+OPTION_SETS = {
+    "default": dict(max_len_a=0, max_len_b=200, min_len=1),
+    # the length limit falls inside a block (k = 4 > 3): fairseq forces EOS at step 3
+    "max_len_3": dict(max_len_a=0, max_len_b=3, min_len=1),
+    # longer than any natural output (targets have at most 12 tokens + EOS)
+    "min_len_15": dict(max_len_a=0, max_len_b=200, min_len=15),
+    "lenpen_unkpen_temp": dict(max_len_a=0, max_len_b=200, min_len=1, len_penalty=0.5, unk_penalty=-3.0, temperature=0.7),
+}
+
+
+def seq_gen(model, tgt_dict, opts):
+    return SequenceGenerator([model], tgt_dict, beam_size=1, **opts)
+
+
+def spec_gen(model, drafter, tgt_dict, k, opts, stats=None, acceptance=None):
+    return SpeculativeGenerator(model, drafter, acceptance or StrictAcceptance(), tgt_dict, block_size=k, stats=stats, **opts)
+
+
+@pytest.fixture(scope="module")
+def reference(verifier):
+    """{(option set, batch size): {id: hypo}} from fairseq's SequenceGenerator."""
+    model, task = verifier
+    cache = {}
+
+    def get(opts_name, bsz):
+        key = (opts_name, bsz)
+        if key not in cache:
+            gen = seq_gen(model, task.target_dictionary, OPTION_SETS[opts_name])
+            cache[key] = run_generator(gen, model, H.batches(task, "test", bsz))
+        return cache[key]
+
+    return get
+
+
+def test_reference_is_sane(reference, verifier):
+    """The trained verifier ends its outputs by itself (EOS inside a block needs that)."""
+    _, task = verifier
+    ref = reference("default", 16)
+    assert sorted(ref) == list(range(50))
+    lengths = [len(h["tokens"]) for h in ref.values()]
+    assert max(lengths) < 30
+    assert all(h["tokens"][-1] == task.target_dictionary.eos() for h in ref.values())
+    assert all(len(h["tokens"]) >= 16 for h in reference("min_len_15", 16).values())
+    assert all(len(h["tokens"]) <= 4 for h in reference("max_len_3", 16).values())
+
+
+@pytest.mark.parametrize("opts", list(OPTION_SETS))
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_oracle_drafter_exact_and_all_accepted(verifier, reference, tmp_path, opts, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    k = 4
+    ref = reference(opts, bsz)
+    drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
+    stats_path = tmp_path / "stats.jsonl"
+    gen = spec_gen(model, drafter, d, k, OPTION_SETS[opts], stats=SpecDecStats(str(stats_path)))
+    got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+    assert_identical(ref, got)
+    stats = read_stats(stats_path)
+    check_stats(stats, got, k)
+    for i, s in stats.items():
+        n = len(got[i]["tokens"])
+        # every draft accepted: k + 1 tokens per iteration until the EOS
+        assert s["iterations"] == math.ceil(n / (k + 1)), (i, s)
+        assert all(a == k + 1 for a in s["accepted"][:-1]), (i, s)
+
+
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_eos_inside_the_block(verifier, reference, tmp_path, bsz):
+    """k larger than every output: one iteration per sentence, EOS mid-block."""
+    model, task = verifier
+    d = task.target_dictionary
+    ref = reference("default", bsz)
+    k = 40
+    assert all(len(h["tokens"]) < k for h in ref.values())
+    drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
+    stats_path = tmp_path / "stats.jsonl"
+    gen = spec_gen(model, drafter, d, k, OPTION_SETS["default"], stats=SpecDecStats(str(stats_path)))
+    got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+    assert_identical(ref, got)
+    stats = read_stats(stats_path)
+    assert all(s["iterations"] == 1 for s in stats.values())
+
+
+@pytest.mark.parametrize("opts", list(OPTION_SETS))
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_rejecting_drafter_exact(verifier, reference, tmp_path, opts, bsz):
+    """Every draft rejected: k = 1 gives one iteration per output token (EOS included)."""
+    model, task = verifier
+    d = task.target_dictionary
+    ref = reference(opts, bsz)
+    for k in (1, 3):
+        stats_path = tmp_path / f"stats{k}.jsonl"
+        drafter = RejectingDrafter(d.pad())
+        gen = spec_gen(model, drafter, d, k, OPTION_SETS[opts], stats=SpecDecStats(str(stats_path)))
+        got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+        assert_identical(ref, got)
+        stats = read_stats(stats_path)
+        check_stats(stats, got, k)
+        for i, s in stats.items():
+            assert s["iterations"] == len(got[i]["tokens"])
+            assert all(a == 1 for a in s["accepted"][:-1]) and s["accepted"][-1] == 0
+
+
+@pytest.mark.parametrize("opts", list(OPTION_SETS))
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+@pytest.mark.parametrize("k", [1, 4])
+def test_untrained_nat_drafter_exact(verifier, reference, tiny_drafter, tmp_path, opts, bsz, k):
+    model, task = verifier
+    drafter_model = tiny_drafter[0]
+    d = task.target_dictionary
+    ref = reference(opts, bsz)
+    drafter = IdsAwareNAT(drafter_model)
+    stats_path = tmp_path / "stats.jsonl"
+    gen = spec_gen(model, drafter, d, k, OPTION_SETS[opts], stats=SpecDecStats(str(stats_path)))
+    got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+    assert_identical(ref, got)
+    check_stats(read_stats(stats_path), got, k)
+
+
+def test_oracle_k1_iterations(verifier, reference, tmp_path):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = reference("default", 3)
+    drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
+    stats_path = tmp_path / "stats.jsonl"
+    gen = spec_gen(model, drafter, d, 1, OPTION_SETS["default"], stats=SpecDecStats(str(stats_path)))
+    got = run_generator(gen, model, H.batches(task, "test", 3), drafter)
+    assert_identical(ref, got)
+    for i, s in read_stats(stats_path).items():
+        assert s["iterations"] == math.ceil(len(got[i]["tokens"]) / 2)
+
+
+def test_relaxed_acceptance_accepts_more_than_strict(verifier, tiny_drafter, tmp_path):
+    """A very permissive top-beta rule keeps every draft the verifier does not
+    forbid: fewer iterations than strict, one hypothesis per sentence, and the
+    output follows the drafter where it was accepted."""
+    model, task = verifier
+    d = task.target_dictionary
+    samples = H.batches(task, "test", 8)
+    counts = {}
+    for name, rule in (("strict", StrictAcceptance()), ("loose", TopBetaAcceptance(len(d), 1e9))):
+        stats = SpecDecStats(str(tmp_path / f"{name}.jsonl"))
+        drafter = IdsAwareNAT(tiny_drafter[0])
+        gen = spec_gen(model, drafter, d, 4, OPTION_SETS["default"], stats=stats, acceptance=rule)
+        got = run_generator(gen, model, samples, drafter)
+        assert sorted(got) == list(range(50))
+        assert all(h["tokens"][-1] == d.eos() for h in got.values())
+        counts[name] = stats.iterations
+    assert counts["loose"] < counts["strict"]
+
+
+def test_rejects_prefix_and_constraints(verifier, tiny_drafter):
+    model, task = verifier
+    gen = spec_gen(model, NATBlockDrafter(tiny_drafter[0]), task.target_dictionary, 2, OPTION_SETS["default"])
+    sample = H.batches(task, "test", 2)[0]
+    with pytest.raises(ValueError, match="prefix"):
+        gen.generate([model], sample, prefix_tokens=sample["target"][:, :1])
+    with pytest.raises(ValueError, match="constraints"):
+        gen.generate([model], sample, constraints=torch.zeros(2, 1, dtype=torch.long))
+
+
+def test_generator_argument_checks(verifier, tiny_drafter):
+    model, task = verifier
+    drafter = NATBlockDrafter(tiny_drafter[0])
+    with pytest.raises(ValueError, match="block-size"):
+        SpeculativeGenerator(model, drafter, StrictAcceptance(), task.target_dictionary, block_size=0)
+    with pytest.raises(ValueError, match="drafter"):
+        NATBlockDrafter(model)  # a Transformer is not a block drafter
