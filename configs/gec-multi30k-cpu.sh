@@ -8,15 +8,7 @@
 : "${CORRECTOR_MINUTES:=20}"
 : "${BPE_MERGES:=8000}"
 
-CORRECTOR_ARGS=(
-  --task translation --arch transformer
-  --encoder-layers 3 --decoder-layers 3 --encoder-embed-dim 256 --decoder-embed-dim 256
-  --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024
-  --encoder-attention-heads 4 --decoder-attention-heads 4 --share-all-embeddings
-  --dropout 0.3 --weight-decay 0.0001
-  --criterion label_smoothed_cross_entropy --label-smoothing 0.1
-  --optimizer adam --adam-betas '(0.9, 0.98)' --lr 1e-3
-  --lr-scheduler inverse_sqrt --warmup-updates 400 --warmup-init-lr 1e-7
-  --max-tokens 2048 --max-epoch 30 --keep-last-epochs 3
-  --required-batch-size-multiple 1
-)
+# the corrector is the Multi30k verifier's transformer (same arguments)
+# shellcheck source=multi30k-cpu.sh
+source "$(dirname "${BASH_SOURCE[0]}")/multi30k-cpu.sh"
+CORRECTOR_ARGS=("${VERIFIER_ARGS[@]}")

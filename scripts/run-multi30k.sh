@@ -31,14 +31,21 @@ stage_prepare() {
   OUT_DIR=$DATA bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
 }
 
+# train NAME MINUTES DATA_DIR ARGS...: one bounded, resumable fairseq-train run
+# into $OUT/NAME (log $OUT/NAME.log); skipped once $OUT/NAME/DONE exists
+train() {
+  local name=$1 minutes=$2 data=$3; shift 3
+  if [ -f "$OUT/$name/DONE" ]; then log "$name: done before"; return; fi
+  log "$name: training for at most $minutes minutes (log: $OUT/$name.log)"
+  fairseq-train "$data" "$@" --save-dir "$OUT/$name" --cpu \
+    --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
+    --num-workers 0 --seed 1 >> "$OUT/$name.log" 2>&1
+  grep "valid on" "$OUT/$name.log" | tail -2 | sed 's/^/  /'
+  touch "$OUT/$name/DONE"
+}
+
 stage_verifier() {
-  if [ -f "$OUT/verifier/DONE" ]; then log "verifier: done before"; return; fi
-  log "verifier: training for at most $VERIFIER_MINUTES minutes (log: $OUT/verifier.log)"
-  fairseq-train "$DATA/bin" "${VERIFIER_ARGS[@]}" --save-dir "$OUT/verifier" --cpu \
-    --stop-time-hours "$(hours "$VERIFIER_MINUTES")" --log-format simple --log-interval 50 \
-    --num-workers 0 --seed 1 >> "$OUT/verifier.log" 2>&1
-  grep "valid on" "$OUT/verifier.log" | tail -2 | sed 's/^/  /'
-  touch "$OUT/verifier/DONE"
+  train verifier "$VERIFIER_MINUTES" "$DATA/bin" "${VERIFIER_ARGS[@]}"
 }
 
 stage_distill() {
@@ -48,25 +55,13 @@ stage_distill() {
 }
 
 stage_drafter() {
-  if [ -f "$OUT/drafter/DONE" ]; then log "drafter: done before"; return; fi
-  log "drafter: training for at most $DRAFTER_MINUTES minutes (log: $OUT/drafter.log)"
-  fairseq-train "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${DRAFTER_ARGS[@]}" \
-    --init-from-verifier "$OUT/verifier/checkpoint_best.pt" --save-dir "$OUT/drafter" --cpu \
-    --stop-time-hours "$(hours "$DRAFTER_MINUTES")" --log-format simple --log-interval 50 \
-    --num-workers 0 --seed 1 >> "$OUT/drafter.log" 2>&1
-  grep "valid on" "$OUT/drafter.log" | tail -2 | sed 's/^/  /'
-  touch "$OUT/drafter/DONE"
+  train drafter "$DRAFTER_MINUTES" "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${DRAFTER_ARGS[@]}" \
+    --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
 stage_blockwise() {
-  if [ -f "$OUT/blockwise/DONE" ]; then log "blockwise: done before"; return; fi
-  log "blockwise: training 3 heads on the frozen verifier for at most $BLOCKWISE_MINUTES minutes (log: $OUT/blockwise.log)"
-  fairseq-train "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${BLOCKWISE_ARGS[@]}" \
-    --init-from-verifier "$OUT/verifier/checkpoint_best.pt" --save-dir "$OUT/blockwise" --cpu \
-    --stop-time-hours "$(hours "$BLOCKWISE_MINUTES")" --log-format simple --log-interval 50 \
-    --num-workers 0 --seed 1 >> "$OUT/blockwise.log" 2>&1
-  grep "valid on" "$OUT/blockwise.log" | tail -1 | sed 's/^/  /'
-  touch "$OUT/blockwise/DONE"
+  train blockwise "$BLOCKWISE_MINUTES" "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${BLOCKWISE_ARGS[@]}" \
+    --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
 stage_average() {

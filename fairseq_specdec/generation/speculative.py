@@ -75,18 +75,18 @@ class SpeculativeGenerator:
     def cuda(self):
         return self
 
-    def _mask_lprobs(self, lprobs: Tensor, steps: Tensor, max_len: int) -> None:
-        """fairseq SequenceGenerator's per-step rules, in place; ``steps``
-        (B x m) is the output index each slot predicts."""
+    def _mask_lprobs(self, lprobs: Tensor, lengths: Tensor, lengths_host: List[int], max_len: int) -> None:
+        """fairseq SequenceGenerator's per-step rules, in place.  Slot j of row r
+        predicts output index ``lengths[r] + j``."""
         lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
-        too_short = steps < self.min_len
-        if bool(too_short.any()):
-            lprobs[:, :, self.eos].masked_fill_(too_short, -math.inf)
-        at_limit = (steps >= max_len).unsqueeze(-1)
-        if bool(at_limit.any()):
+        m = lprobs.size(1)
+        if min(lengths_host) < self.min_len or max(lengths_host) + m - 1 >= max_len:
+            steps = lengths.unsqueeze(1) + torch.arange(m, device=lprobs.device)
+            lprobs[:, :, self.eos].masked_fill_(steps < self.min_len, -math.inf)
+            at_limit = (steps >= max_len).unsqueeze(-1)
             lprobs[:, :, : self.eos].masked_fill_(at_limit, -math.inf)
             lprobs[:, :, self.eos + 1 :].masked_fill_(at_limit, -math.inf)
 
@@ -147,8 +147,7 @@ class SpeculativeGenerator:
             last = tokens.gather(1, lengths.unsqueeze(1))
             lprobs = verifier.forward(torch.cat([last, draft_tokens], dim=1), encoder_out)
             offsets = torch.arange(m, device=device)
-            steps = lengths.unsqueeze(1) + offsets
-            self._mask_lprobs(lprobs, steps, max_len)
+            self._mask_lprobs(lprobs, lengths, lengths_host, max_len)
 
             # running score before each slot along the draft path, accumulated in
             # float32 one token at a time exactly as SequenceGenerator does
@@ -203,12 +202,11 @@ class SpeculativeGenerator:
                 else:
                     accepted[row].append(n_new_host[i])
                     keep.append(i)
-            if len(keep) == n:
-                verifier.rollback(n_new, n_new_host)
-                continue
             if not keep:
                 break
             verifier.rollback(n_new, n_new_host)
+            if len(keep) == n:
+                continue
             order = torch.tensor(keep, dtype=torch.long, device=device)
             encoder_out = verifier.reorder(order, encoder_out, keep)
             self.drafter.reorder(order)
