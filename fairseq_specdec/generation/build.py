@@ -101,7 +101,9 @@ def _nat_drafter(task, verifier, drafters):
         )
     check_drafter_dictionary(task, model, source)
     block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
-    return NATBlockDrafter(model), block_size, f"specdec_nat drafter {source}"
+    drafter = NATBlockDrafter(model, verifier)
+    shared = ", sharing the verifier's encoder" if drafter.shares_encoder else ""
+    return drafter, block_size, f"specdec_nat drafter {source}{shared}"
 
 
 def _source_copy_drafter(task, verifier, drafters):

@@ -29,6 +29,10 @@ class Drafter:
     def start(self, net_input, bsz: int) -> None:
         raise NotImplementedError
 
+    def bind_verifier(self, verifier) -> None:
+        """Called once by the loop with its :class:`CachedVerifier`, for
+        drafters that read the verifier's state (its encoder output)."""
+
     def draft(self, tokens: Tensor, lengths: Tensor, k: int) -> Tuple[Tensor, Optional[Tensor]]:
         raise NotImplementedError
 
@@ -42,25 +46,61 @@ class Drafter:
         """Called after every verification pass (see the module docstring)."""
 
 
+def same_encoder(drafter, verifier) -> bool:
+    """Whether ``drafter``'s encoder computes exactly ``verifier``'s: same
+    module types and settings, equal tensors (the drafter's extra mask row of
+    the embedding aside)."""
+    d_enc, v_enc = drafter.encoder, verifier.encoder
+    if type(d_enc) is not type(v_enc) or getattr(d_enc, "embed_scale", None) != getattr(v_enc, "embed_scale", None):
+        return False
+    d_state, v_state = d_enc.state_dict(), v_enc.state_dict()
+    if set(d_state) != set(v_state):
+        return False
+    for name, v_tensor in v_state.items():
+        d_tensor = d_state[name]
+        if name == "embed_tokens.weight" and d_tensor.size(0) == v_tensor.size(0) + 1:
+            d_tensor = d_tensor[:-1]
+        if d_tensor.shape != v_tensor.shape or not torch.equal(d_tensor, v_tensor):
+            return False
+    return all(
+        type(a) is type(b) and getattr(a, "normalize_before", None) == getattr(b, "normalize_before", None)
+        for a, b in zip(d_enc.layers, v_enc.layers)
+    )
+
+
 class NATBlockDrafter(Drafter):
     """The Spec-Drafter (``specdec_nat``): one non-autoregressive pass over
-    ``prefix + k masks``.  Its encoder runs once per batch."""
+    ``prefix + k masks``.  Its encoder runs once per batch, and not at all when
+    it is identical to the verifier's (trained with ``--freeze-encoder``):
+    the verifier's encoder output is reused."""
 
-    def __init__(self, model):
+    def __init__(self, model, verifier_model=None):
         if not getattr(model, "is_block_drafter", False):
             raise ValueError(f"the drafter must be a specdec_nat model, got {type(model).__name__}")
         self.model = model
         self.max_positions = model.decoder.max_positions()
         self.encoder_out = None
+        self.shares_encoder = verifier_model is not None and same_encoder(model, verifier_model)
+        self.verifier = None
+
+    def bind_verifier(self, verifier) -> None:
+        self.verifier = verifier
 
     def start(self, net_input, bsz: int) -> None:
-        self.encoder_out = self.model.encoder.forward_torchscript(net_input)
+        if self.shares_encoder and self.verifier is not None:
+            self.encoder_out = None  # read from the verifier, which follows reorders
+        else:
+            self.encoder_out = self.model.encoder.forward_torchscript(net_input)
+
+    def _encoder_out(self):
+        return self.encoder_out if self.encoder_out is not None else self.verifier.encoder_out
 
     def draft(self, tokens, lengths, k):
-        return self.model.draft(self.encoder_out, tokens[:, 1:], lengths, k)
+        return self.model.draft(self._encoder_out(), tokens[:, 1:], lengths, k)
 
     def reorder(self, new_order):
-        self.encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, new_order)
+        if self.encoder_out is not None:
+            self.encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, new_order)
 
 
 class SourceCopyDrafter(Drafter):

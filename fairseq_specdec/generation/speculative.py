@@ -57,6 +57,7 @@ class SpeculativeGenerator:
             raise ValueError("--temperature must be greater than 0")
         self.verifier = CachedVerifier(verifier_model, temperature)
         self.drafter = drafter
+        drafter.bind_verifier(self.verifier)
         self.acceptance = acceptance
         self.block_size = block_size
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()

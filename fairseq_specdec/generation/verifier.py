@@ -56,9 +56,13 @@ class CachedVerifier:
         self.cache_lengths_host: List[int] = []  # the same, on the host
         self._last_m = 0
         self.last_features: Optional[Tensor] = None
+        self.encoder_out: Optional[Dict[str, List[Tensor]]] = None
 
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
-        return self.model.encoder.forward_torchscript(net_input)
+        """Encode the batch; the output is also kept in ``self.encoder_out``
+        (and follows :meth:`reorder`) for drafters that share it."""
+        self.encoder_out = self.model.encoder.forward_torchscript(net_input)
+        return self.encoder_out
 
     def start(self, bsz: int, device) -> None:
         self.incremental_state = {}
@@ -179,4 +183,5 @@ class CachedVerifier:
                     mask = buf["prev_key_padding_mask"][:, :target]
                     buf["prev_key_padding_mask"] = mask if bool(mask.any()) else None
                 attn._set_input_buffer(self.incremental_state, buf)
-        return self.model.encoder.reorder_encoder_out(encoder_out, new_order)
+        self.encoder_out = self.model.encoder.reorder_encoder_out(encoder_out, new_order)
+        return self.encoder_out

@@ -124,6 +124,24 @@ class SpecDecNATModel(TransformerModel):
 
     #: marks models whose training inputs the ``draft_verify`` task block-masks
     is_block_drafter = True
+    #: see :meth:`freeze_encoder`
+    encoder_frozen = False
+
+    def freeze_encoder(self) -> None:
+        """Train the decoder only: the encoder (embeddings included) gets no
+        gradient and runs in eval mode, exactly as at decoding time.  A drafter
+        whose encoder is a frozen copy of its verifier's can reuse the
+        verifier's encoder output: one encoder pass per sentence, not two."""
+        self.encoder_frozen = True
+        for param in self.encoder.parameters():
+            param.requires_grad_(False)
+        self.encoder.eval()
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.encoder_frozen:
+            self.encoder.eval()
+        return self
 
     def forward(
         self, src_tokens, src_lengths, prev_output_tokens, block_mask=None, glance=None, **kwargs
@@ -137,7 +155,8 @@ class SpecDecNATModel(TransformerModel):
         slots to predict in the second pass.  The encoder runs once either way.
         Returns ``(logits, extra)``.
         """
-        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.encoder_frozen):
+            encoder_out = self.encoder(src_tokens, src_lengths=src_lengths)
         if glance is not None:
             with torch.no_grad():
                 first, _ = self.decoder(prev_output_tokens, encoder_out, block_mask=block_mask)

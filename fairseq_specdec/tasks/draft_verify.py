@@ -49,6 +49,15 @@ class DraftVerifyConfig(TranslationConfig):
             "from this verifier checkpoint (the copied and kept tensors are logged)"
         },
     )
+    freeze_encoder: bool = field(
+        default=False,
+        metadata={
+            "help": "training a specdec_nat drafter: keep its encoder (and embeddings) "
+            "fixed, e.g. at the copy --init-from-verifier made; decoding then reuses "
+            "the verifier's encoder output (use without --share-all-embeddings so "
+            "the decoder keeps trainable embeddings)"
+        },
+    )
     drafter_path: Optional[str] = field(
         default=None,
         metadata={
@@ -114,6 +123,8 @@ class DraftVerifyTask(TranslationTask):
                 init_drafter_from_verifier(
                     model, self.cfg.init_from_verifier, self.src_dict, self.tgt_dict
                 )
+            if self.cfg.freeze_encoder and not from_checkpoint:
+                model.freeze_encoder()
         elif getattr(model, "has_blockwise_heads", False):
             if self.cfg.init_from_verifier and not from_checkpoint:
                 from ..models.init_from_verifier import init_blockwise_from_verifier
