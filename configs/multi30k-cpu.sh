@@ -30,6 +30,11 @@ VERIFIER_ARGS=(
   --required-batch-size-multiple 1
 )
 
+# The drafter: its own 3-layer encoder (initialized from the verifier) and one
+# decoder layer.  DRAFTER_VARIANT=shared-encoder instead freezes the copied
+# encoder (the drafter then reuses the verifier's encoder output when
+# decoding) and affords two decoder layers with its own embeddings.
+: "${DRAFTER_VARIANT:=own-encoder}"
 DRAFTER_ARGS=(
   --task draft_verify --arch specdec_nat_multi30k --criterion glat_block
   --block-size "$BLOCK_SIZE" --share-all-embeddings
@@ -39,6 +44,10 @@ DRAFTER_ARGS=(
   --max-tokens 4096 --max-epoch 60 --keep-last-epochs 5
   --glance-anneal-updates 3000
 )
+if [ "$DRAFTER_VARIANT" = shared-encoder ]; then
+  DRAFTER_ARGS=("${DRAFTER_ARGS[@]/--share-all-embeddings/--share-decoder-input-output-embed}"
+                --freeze-encoder --decoder-layers 2)
+fi
 
 # Blockwise parallel decoding (paper 004): k-1 = 3 heads on the frozen verifier,
 # trained on the distilled data (optional stage `blockwise`).

@@ -20,7 +20,9 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(data train benchmark)
 T0=$(date +%s)
-log() { echo "[gec-demo $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*"; }
+LOG_TAG=gec-demo
+# shellcheck source=recipe-lib.sh
+source "$HERE/scripts/recipe-lib.sh"
 mkdir -p "$OUT/text"
 
 stage_data() {
@@ -55,20 +57,11 @@ stage_data() {
 }
 
 stage_train() {
-  if [ -f "$OUT/corrector/DONE" ]; then log "corrector: done before"; return; fi
-  log "corrector: training for at most $CORRECTOR_MINUTES minutes (log: $OUT/corrector.log)"
-  fairseq-train "$OUT/bin" "${CORRECTOR_ARGS[@]}" --save-dir "$OUT/corrector" --cpu \
-    --stop-time-hours "$(awk -v m="$CORRECTOR_MINUTES" 'BEGIN { printf "%.4f", m / 60 }')" \
-    --log-format simple --log-interval 50 --num-workers 0 --seed 1 >> "$OUT/corrector.log" 2>&1
-  grep "valid on" "$OUT/corrector.log" | tail -1 | sed 's/^/  /'
-  touch "$OUT/corrector/DONE"
+  train corrector "$CORRECTOR_MINUTES" "$OUT/bin" "${CORRECTOR_ARGS[@]}"
 }
 
 stage_benchmark() {
-  local raw=${MULTI30K_RAW:-}
-  if [ -z "$raw" ]; then
-    raw="$(cd "$HERE/.." && pwd)/shared/data/multi30k"; [ -d "$raw" ] || raw="$HERE/data/multi30k-raw"
-  fi
+  local raw; raw=$(raw_multi30k)
   log "benchmark: input-guided vs greedy and beam 5 on the corrupted test_2016_flickr"
   "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/bin" --src err --tgt cor \
     --verifier "$OUT/corrector/checkpoint_best.pt" --rows beam5,beam1,input-guided \

@@ -24,24 +24,12 @@ STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill drafter average benchmark)
 mkdir -p "$OUT"
 T0=$(date +%s)
-log() { echo "[multi30k $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*"; }
-hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
+LOG_TAG=multi30k
+# shellcheck source=recipe-lib.sh
+source "$HERE/scripts/recipe-lib.sh"
 
 stage_prepare() {
   OUT_DIR=$DATA bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
-}
-
-# train NAME MINUTES DATA_DIR ARGS...: one bounded, resumable fairseq-train run
-# into $OUT/NAME (log $OUT/NAME.log); skipped once $OUT/NAME/DONE exists
-train() {
-  local name=$1 minutes=$2 data=$3; shift 3
-  if [ -f "$OUT/$name/DONE" ]; then log "$name: done before"; return; fi
-  log "$name: training for at most $minutes minutes (log: $OUT/$name.log)"
-  fairseq-train "$data" "$@" --save-dir "$OUT/$name" --cpu \
-    --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
-    --num-workers 0 --seed 1 >> "$OUT/$name.log" 2>&1
-  grep "valid on" "$OUT/$name.log" | tail -2 | sed 's/^/  /'
-  touch "$OUT/$name/DONE"
 }
 
 stage_verifier() {
@@ -74,10 +62,7 @@ stage_average() {
 }
 
 stage_benchmark() {
-  local raw=${MULTI30K_RAW:-}
-  if [ -z "$raw" ]; then
-    raw="$(cd "$HERE/.." && pwd)/shared/data/multi30k"; [ -d "$raw" ] || raw="$HERE/data/multi30k-raw"
-  fi
+  local raw; raw=$(raw_multi30k)
   local extra=()
   if [ -f "$OUT/blockwise/checkpoint_best.pt" ]; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt" --rows beam5,beam1,strict,relaxed,blockwise)

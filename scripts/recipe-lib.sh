@@ -1,0 +1,28 @@
+# Shared helpers of the CPU recipes (sourced by run-multi30k.sh, run-gec-demo.sh).
+# Needs: OUT (run directory), T0 (start time, seconds), LOG_TAG (log prefix).
+
+log() { echo "[$LOG_TAG $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*"; }
+
+hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
+
+# train NAME MINUTES DATA_DIR ARGS...: one bounded, resumable fairseq-train run
+# into $OUT/NAME (log $OUT/NAME.log); skipped once $OUT/NAME/DONE exists.
+# fairseq counts --stop-time-hours over restarts, so an interrupted run resumes
+# from checkpoint_last.pt with the time it has left.
+train() {
+  local name=$1 minutes=$2 data=$3; shift 3
+  if [ -f "$OUT/$name/DONE" ]; then log "$name: done before"; return; fi
+  log "$name: training for at most $minutes minutes (log: $OUT/$name.log)"
+  fairseq-train "$data" "$@" --save-dir "$OUT/$name" --cpu \
+    --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
+    --num-workers 0 --seed 1 >> "$OUT/$name.log" 2>&1
+  grep "valid on" "$OUT/$name.log" | tail -2 | sed 's/^/  /'
+  touch "$OUT/$name/DONE"
+}
+
+# raw_multi30k: the directory of the raw Multi30k files (see prepare-multi30k.sh)
+raw_multi30k() {
+  if [ -n "${MULTI30K_RAW:-}" ]; then echo "$MULTI30K_RAW"; return; fi
+  local shared; shared="$(cd "$HERE/.." && pwd)/shared/data/multi30k"
+  if [ -d "$shared" ]; then echo "$shared"; else echo "$HERE/data/multi30k-raw"; fi
+}
