@@ -10,7 +10,9 @@
 #   OUT_DIR  receives the distilled text (OUT_DIR/text) and binarized data (OUT_DIR/bin)
 # Environment:
 #   BEAM (5)  MAX_TOKENS (6000)  THREADS (1)
-#   SHARDS (1)     split decoding with fairseq-generate --num-shards/--shard-id
+#   SHARDS (1)     split decoding into shards (fairseq-generate shards its
+#                  input by --distributed-world-size/--distributed-rank; its
+#                  --num-shards/--shard-id options are ignored in fairseq 0.12)
 #   PARALLEL (0)   1: run the shards at the same time (one per core; with CPU=0,
 #                  shard i on GPU i)
 #   EXTRA_GEN_ARGS extra fairseq-generate options (e.g. --fp16 on a GPU; omit --cpu via CPU=0)
@@ -40,7 +42,7 @@ decode_split() {  # fairseq split name, BPE file prefix
     log "$split: decoding shard $((shard + 1))/$SHARDS of $n sentences (beam $BEAM)"
     cmd=(fairseq-generate "$BIN" --user-dir "$HERE/fairseq_specdec" --task draft_verify
          --decoding autoregressive --gen-subset "$split" --path "$CKPT" --beam "$BEAM"
-         --max-tokens "$MAX_TOKENS" --num-shards "$SHARDS" --shard-id "$shard"
+         --max-tokens "$MAX_TOKENS" --distributed-world-size "$SHARDS" --distributed-rank "$shard"
          --source-lang "$SRC" --target-lang "$TGT" $CPU_FLAG ${EXTRA_GEN_ARGS:-})
     if [ "$PARALLEL" = 1 ]; then
       # on GPUs (CPU=0) shard i runs on GPU i

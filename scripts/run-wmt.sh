@@ -8,7 +8,7 @@
 #             length/ratio cleaning of train, fairseq-preprocess --joined-dictionary
 #   teacher   fairseq-train on the raw data, then average its last checkpoints
 #   distill   sequence-level KD: teacher beam search over train and valid, one
-#             fairseq-generate --num-shards/--shard-id shard per GPU
+#             fairseq-generate --distributed-world-size/--distributed-rank shard per GPU
 #             (CUDA_VISIBLE_DEVICES), merged in sentence order by
 #             scripts/merge-hypotheses.py, binarized with the teacher's dictionary
 #   verifier  transformer-base on the distilled data, then averaged
@@ -294,7 +294,7 @@ stage_distill() {
         fairseq-generate "$DATA/bin" --user-dir "$PLUGIN" --task draft_verify \
         --decoding autoregressive --gen-subset "$split" --path "$teacher" \
         --beam "$DISTILL_BEAM" --max-tokens "$DISTILL_MAX_TOKENS" --fp16 \
-        --num-shards "$shards" --shard-id "$shard" --source-lang "$SRC" --target-lang "$TGT"
+        --distributed-world-size "$shards" --distributed-rank "$shard" --source-lang "$SRC" --target-lang "$TGT"
     done
     wait_bg
     run_merge "$dist/text/$split.$TGT" "$DATA/bpe/$split.$SRC" "${gens[@]}"

@@ -141,8 +141,9 @@ def test_distillation_is_sharded_over_the_gpus(dry_run):
                   for i, (env, argv) in enumerate(cmds)
                   if argv and argv[0] == "fairseq-generate" and argv[argv.index("--gen-subset") + 1] == split]
         assert len(shards) == 8
-        assert sorted(a.shard_id for _, _, a in shards) == list(range(8))
-        assert {a.num_shards for _, _, a in shards} == {8}
+        # fairseq-generate shards its input by world size and rank (it ignores --num-shards)
+        assert sorted(a.distributed_rank for _, _, a in shards) == list(range(8))
+        assert {a.distributed_world_size for _, _, a in shards} == {8}
         assert sorted(env["CUDA_VISIBLE_DEVICES"] for _, env, _ in shards) == [str(i) for i in range(8)]
         assert {a.beam for _, _, a in shards} == {5}
         assert all(a.decoding == "autoregressive" and a.path.endswith("teacher/checkpoint_avg10.pt")
