@@ -6,7 +6,8 @@ Checkpoints are read through fairseq-specdec's safe loader (no arbitrary
 pickled code runs).  Floating-point tensors are averaged; other tensors (for
 example a drafter's ``train_block_size`` buffer) must be equal in every input
 and are copied.  Everything else (config, optimizer history) comes from the
-last input, as in fairseq's script.
+last input, as in fairseq's script.  The output is saved the way fairseq's
+trainer saves (config as plain containers), so the safe loader reads it back.
 
 Examples:
     scripts/average-checkpoints.py --inputs ckpt/checkpoint9.pt ckpt/checkpoint10.pt --output avg.pt
@@ -21,6 +22,7 @@ import re
 import sys
 
 import torch
+from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fairseq_specdec  # noqa: E402,F401  (safe checkpoint loading)
@@ -67,6 +69,11 @@ def average(paths):
         ref = last_state["model"][k]
         averaged[k] = (v / len(paths)).to(ref.dtype) if ref.is_floating_point() else v
     last_state["model"] = averaged
+    # load_checkpoint_to_cpu turned the stored config into an OmegaConf object;
+    # store plain containers again, as fairseq's Trainer.state_dict does (the
+    # safe loader refuses omegaconf classes)
+    if OmegaConf.is_config(last_state.get("cfg")):
+        last_state["cfg"] = OmegaConf.to_container(last_state["cfg"], resolve=True, enum_to_str=True)
     return last_state
 
 

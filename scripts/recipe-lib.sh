@@ -8,12 +8,14 @@ hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
 # train NAME MINUTES DATA_DIR ARGS...: one bounded, resumable fairseq-train run
 # into $OUT/NAME (log $OUT/NAME.log); skipped once $OUT/NAME/DONE exists.
 # fairseq counts --stop-time-hours over restarts, so an interrupted run resumes
-# from checkpoint_last.pt with the time it has left.
+# from checkpoint_last.pt with the time it has left.  The plugin is always
+# loaded: without it, torch's safe loader refuses fairseq's own checkpoints, so
+# even a plain `--task translation` run could not resume.
 train() {
   local name=$1 minutes=$2 data=$3; shift 3
   if [ -f "$OUT/$name/DONE" ]; then log "$name: done before"; return; fi
   log "$name: training for at most $minutes minutes (log: $OUT/$name.log)"
-  fairseq-train "$data" "$@" --save-dir "$OUT/$name" --cpu \
+  fairseq-train "$data" --user-dir "$HERE/fairseq_specdec" "$@" --save-dir "$OUT/$name" --cpu \
     --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
     --num-workers 0 --seed 1 >> "$OUT/$name.log" 2>&1
   grep "valid on" "$OUT/$name.log" | tail -2 | sed 's/^/  /'

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The Multi30k EN-DE CPU recipe, end to end (what `make demo` runs):
 #   prepare -> verifier (teacher) -> distill -> drafter (init from verifier,
-#   glat_block) -> average -> benchmark
+#   glat_block) + blockwise heads (paper 004), side by side -> average -> benchmark
 # Every stage logs its progress and time, is skipped when its output exists,
 # and fairseq-train resumes from checkpoint_last.pt after an interruption.
 #
-# Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages but the
-#   optional `blockwise`, in order; the benchmark adds a blockwise row when
-#   that stage has run)
+# Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages in order;
+#   STAGE1+STAGE2 runs two stages at the same time, default drafter+blockwise;
+#   the benchmark adds a blockwise row when that stage has run)
 # Environment: CONFIG (configs/multi30k-cpu.sh), OUT (runs/multi30k.SRC-TGT),
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
 #   arguments for scripts/benchmark.py), plus every variable of the config.
@@ -21,7 +21,7 @@ DATA=${DATA:-$HERE/data/multi30k.$SRC-$TGT}
 PY=${PYTHON:-python}
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 STAGES=("$@")
-[ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill drafter average benchmark)
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill drafter+blockwise average benchmark)
 mkdir -p "$OUT"
 T0=$(date +%s)
 LOG_TAG=multi30k
@@ -37,18 +37,18 @@ stage_verifier() {
 }
 
 stage_distill() {
-  log "distill: beam $DISTILL_BEAM over train and valid, 2 shards in parallel"
+  log "distill: beam $DISTILL_BEAM over train and valid, ${DISTILL_SHARDS:-2} shards in parallel"
   BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 \
     bash "$HERE/scripts/distill.sh" "$OUT/verifier/checkpoint_best.pt" "$DATA/bin" "$DATA/bpe" "$OUT/distill" "$SRC" "$TGT"
 }
 
 stage_drafter() {
-  train drafter "$DRAFTER_MINUTES" "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${DRAFTER_ARGS[@]}" \
+  train drafter "$DRAFTER_MINUTES" "$OUT/distill/bin" "${DRAFTER_ARGS[@]}" \
     --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
 stage_blockwise() {
-  train blockwise "$BLOCKWISE_MINUTES" "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" "${BLOCKWISE_ARGS[@]}" \
+  train blockwise "$BLOCKWISE_MINUTES" "$OUT/distill/bin" "${BLOCKWISE_ARGS[@]}" \
     --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
@@ -74,12 +74,27 @@ stage_benchmark() {
     --out "$OUT/benchmark" ${BENCH_ARGS:-}
 }
 
-for stage in "${STAGES[@]}"; do
-  case "$stage" in
-    prepare|verifier|distill|drafter|blockwise|average|benchmark) ;;
-    *) echo "unknown stage '$stage' (prepare verifier distill drafter blockwise average benchmark)" >&2; exit 2;;
-  esac
-  log "stage $stage"
-  "stage_$stage"
+for group in "${STAGES[@]}"; do
+  IFS=+ read -r -a parts <<< "$group"
+  for stage in "${parts[@]}"; do
+    case "$stage" in
+      prepare|verifier|distill|drafter|blockwise|average|benchmark) ;;
+      *) echo "unknown stage '$stage' (prepare verifier distill drafter blockwise average benchmark)" >&2; exit 2;;
+    esac
+  done
+done
+for group in "${STAGES[@]}"; do
+  IFS=+ read -r -a parts <<< "$group"
+  if [ ${#parts[@]} -eq 1 ]; then
+    log "stage $group"
+    "stage_$group"
+    continue
+  fi
+  log "stages ${parts[*]}, side by side"
+  pids=()
+  for stage in "${parts[@]}"; do "stage_$stage" & pids+=($!); done
+  failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  [ $failed = 0 ] || { log "a stage of $group failed"; exit 1; }
 done
 log "all done in $(( ($(date +%s) - T0) / 60 )) minutes"
