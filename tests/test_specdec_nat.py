@@ -103,6 +103,33 @@ def test_draft_matches_full_forward(tiny_drafter, batch):
     assert torch.allclose(log_probs[0], expected_lp, atol=1e-5)
 
 
+def test_draft_without_scores_proposes_the_same_tokens(tiny_drafter, batch):
+    model, task, _ = tiny_drafter
+    net = batch["net_input"]
+    enc = encode(model, net["src_tokens"], net["src_lengths"])
+    lengths = torch.tensor([4, 0, 2])
+    tokens, log_probs = model.draft(enc, batch["target"][:, :4], lengths, 5)
+    tokens_only, none = model.draft(enc, batch["target"][:, :4], lengths, 5, with_scores=False)
+    assert none is None
+    assert torch.equal(tokens_only, tokens)
+
+
+def test_transposed_projection_matches_linear_and_follows_weight_updates():
+    from fairseq_specdec.models.projection import TransposedProjection
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 8, generator=gen)
+    bias = torch.randn(50, generator=gen)
+    x = torch.randn(3, 4, 8, generator=gen)
+    project = TransposedProjection()
+    torch.testing.assert_close(project(x, weight), torch.nn.functional.linear(x, weight))
+    torch.testing.assert_close(project(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    weight.mul_(-2.0)  # an in-place update (an optimizer step) must not leave a stale copy
+    torch.testing.assert_close(project(x, weight), torch.nn.functional.linear(x, weight))
+    other = torch.randn(50, 8, generator=gen)
+    torch.testing.assert_close(project(x, other), torch.nn.functional.linear(x, other))
+
+
 @pytest.mark.parametrize("lengths", [[0, 3, 5], [5, 0, 3]])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_rows_do_not_depend_on_other_rows_padding(tiny_drafter, batch, k, lengths):

@@ -19,6 +19,8 @@ VERIFY_SCORES = ("verifier", "drafter")
 class StrictAcceptance:
     """Accept a draft only if it is the verifier's greedy token: lossless."""
 
+    uses_draft_scores = False
+
     def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
         return draft_tokens.eq(greedy)
 
@@ -46,6 +48,7 @@ class TopBetaAcceptance:
         if score not in VERIFY_SCORES:
             raise ValueError(f"--verify-score must be one of {VERIFY_SCORES}, got {score!r}")
         self.beta, self.tau, self.score = beta, tau, score
+        self.uses_draft_scores = score == "drafter"
 
     def __call__(self, draft_tokens, draft_lprobs, lprobs, greedy):
         top_values, top_indices = lprobs.topk(min(self.beta, lprobs.size(-1)), dim=-1)

@@ -85,7 +85,7 @@ def _split_models(task, models):
     return verifiers[0], drafters
 
 
-def _nat_drafter(task, verifier, drafters):
+def _nat_drafter(task, verifier, drafters, acceptance):
     cfg = task.cfg
     if cfg.drafter_path and drafters:
         raise ValueError("give the drafter either with --drafter-path or in --path, not both")
@@ -101,12 +101,12 @@ def _nat_drafter(task, verifier, drafters):
         )
     check_drafter_dictionary(task, model, source)
     block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
-    drafter = NATBlockDrafter(model, verifier)
+    drafter = NATBlockDrafter(model, verifier, with_scores=acceptance.uses_draft_scores)
     shared = ", sharing the verifier's encoder" if drafter.shares_encoder else ""
     return drafter, block_size, f"specdec_nat drafter {source}{shared}"
 
 
-def _source_copy_drafter(task, verifier, drafters):
+def _source_copy_drafter(task, verifier, drafters, acceptance):
     if drafters or task.cfg.drafter_path:
         raise ValueError("--decoding input-guided drafts from the source and takes no drafter")
     src, tgt = task.source_dictionary, task.target_dictionary
@@ -120,7 +120,7 @@ def _source_copy_drafter(task, verifier, drafters):
     return SourceCopyDrafter(tgt.pad(), tgt.eos()), block_size, "the source (input-guided)"
 
 
-def _blockwise_drafter(task, verifier, drafters):
+def _blockwise_drafter(task, verifier, drafters, acceptance):
     if drafters or task.cfg.drafter_path:
         raise ValueError("--decoding blockwise drafts with the verifier's own heads and takes no drafter")
     if not getattr(verifier, "has_blockwise_heads", False):
@@ -144,10 +144,10 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     check_generation_options(args)
     cfg = task.cfg
     verifier, drafters = _split_models(task, models)
-    drafter, block_size, description = DRAFTER_BUILDERS[cfg.decoding](task, verifier, drafters)
+    acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
+    drafter, block_size, description = DRAFTER_BUILDERS[cfg.decoding](task, verifier, drafters, acceptance)
     if block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {block_size}")
-    acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
     stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding)
     logger.info(
         f"{cfg.decoding} decoding: block size {block_size}, acceptance {acceptance!r}, drafter {description}"

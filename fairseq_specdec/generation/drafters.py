@@ -72,9 +72,11 @@ class NATBlockDrafter(Drafter):
     """The Spec-Drafter (``specdec_nat``): one non-autoregressive pass over
     ``prefix + k masks``.  Its encoder runs once per batch, and not at all when
     it is identical to the verifier's (trained with ``--freeze-encoder``):
-    the verifier's encoder output is reused."""
+    the verifier's encoder output is reused.  The drafter's log-probs are
+    computed only ``with_scores`` (acceptance by drafter score); otherwise a
+    draft is the argmax of the logits."""
 
-    def __init__(self, model, verifier_model=None):
+    def __init__(self, model, verifier_model=None, with_scores: bool = True):
         if not getattr(model, "is_block_drafter", False):
             raise ValueError(f"the drafter must be a specdec_nat model, got {type(model).__name__}")
         self.model = model
@@ -82,6 +84,7 @@ class NATBlockDrafter(Drafter):
         self.encoder_out = None
         self.shares_encoder = verifier_model is not None and same_encoder(model, verifier_model)
         self.verifier = None
+        self.with_scores = with_scores
 
     def bind_verifier(self, verifier) -> None:
         self.verifier = verifier
@@ -96,7 +99,7 @@ class NATBlockDrafter(Drafter):
         return self.encoder_out if self.encoder_out is not None else self.verifier.encoder_out
 
     def draft(self, tokens, lengths, k):
-        return self.model.draft(self._encoder_out(), tokens[:, 1:], lengths, k)
+        return self.model.draft(self._encoder_out(), tokens[:, 1:], lengths, k, self.with_scores)
 
     def reorder(self, new_order):
         if self.encoder_out is not None:

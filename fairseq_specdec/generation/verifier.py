@@ -15,6 +15,8 @@ from torch import Tensor
 
 from fairseq.models.transformer import TransformerDecoderBase
 
+from ..models.projection import TransposedProjection
+
 
 class CachedVerifier:
     """Parallel verification with a KV cache that can be rolled back.
@@ -57,6 +59,9 @@ class CachedVerifier:
         self._last_m = 0
         self.last_features: Optional[Tensor] = None
         self.encoder_out: Optional[Dict[str, List[Tensor]]] = None
+        # fairseq's output_layer is output_projection(x) without adaptive softmax
+        projection = getattr(decoder, "output_projection", None)
+        self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
 
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
         """Encode the batch; the output is also kept in ``self.encoder_out``
@@ -118,7 +123,11 @@ class CachedVerifier:
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
         self.last_features = x  # B x m x C: what blockwise heads read
-        logits = dec.output_layer(x)
+        if self._projection is not None:
+            proj = dec.output_projection
+            logits = self._projection(x, proj.weight, proj.bias)
+        else:
+            logits = dec.output_layer(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
         self._last_m = m

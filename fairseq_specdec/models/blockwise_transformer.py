@@ -22,6 +22,8 @@ from fairseq.models.transformer import TransformerConfig, TransformerModel
 from fairseq.models.transformer.transformer_base import TransformerModelBase
 from fairseq.models.transformer.transformer_legacy import base_architecture
 
+from .projection import TransposedProjection
+
 
 @dataclass
 class BlockwiseTransformerConfig(TransformerConfig):
@@ -66,6 +68,7 @@ class BlockwiseTransformerModel(TransformerModel):
             raise ValueError(f"--blockwise-k must be >= 2, got {args.blockwise_k}")
         model = super().build_model(args, task)
         model.heads = BlockwiseHeads(args.decoder_output_dim or args.decoder_embed_dim, args.blockwise_k - 1)
+        model._inference_projection = TransposedProjection()
         return model
 
     @property
@@ -79,6 +82,8 @@ class BlockwiseTransformerModel(TransformerModel):
         projection (it is also the base model's, and its embedding when shared)."""
         hidden = self.heads(features)
         projection = self.decoder.output_projection
+        if not self.training and not torch.is_grad_enabled() and isinstance(projection, torch.nn.Linear):
+            return self._inference_projection(hidden, projection.weight, projection.bias)
         if frozen_projection and isinstance(projection, torch.nn.Linear):
             return F.linear(hidden, projection.weight.detach(), None if projection.bias is None else projection.bias.detach())
         return self.decoder.output_layer(hidden)

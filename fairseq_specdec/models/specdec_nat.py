@@ -37,6 +37,8 @@ from fairseq.models.transformer.transformer_base import Embedding
 from fairseq.modules import FairseqDropout, LayerNorm, PositionalEmbedding
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
+from .projection import TransposedProjection
+
 logger = logging.getLogger(__name__)
 
 
@@ -170,7 +172,8 @@ class SpecDecNATModel(TransformerModel):
         prefix_tokens: Tensor,
         prefix_lengths: Tensor,
         k: int,
-    ) -> Tuple[Tensor, Tensor]:
+        with_scores: bool = True,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         """Propose the next ``k`` tokens after each row's prefix.
 
         Args:
@@ -180,11 +183,13 @@ class SpecDecNATModel(TransformerModel):
             prefix_tokens: B x P accepted target tokens, right-padded, no BOS.
             prefix_lengths: B true prefix lengths (may differ per row, may be 0).
             k: block size.
+            with_scores: also return the drafter's log-probabilities (only
+                ``--verify-score drafter`` needs them).
 
         Returns:
             ``(tokens, log_probs)``, both B x k: the argmax token of each block
             slot (never pad, BOS or the mask) and the drafter's log-probability
-            of it.
+            of it (None without ``with_scores``).
         """
         bsz = prefix_tokens.size(0)
         pad = self.decoder.padding_idx
@@ -201,6 +206,8 @@ class SpecDecNATModel(TransformerModel):
         logits = self.decoder.output_layer(block)
         logits[:, :, pad] = -math.inf
         logits[:, :, self.decoder.dictionary.bos()] = -math.inf
+        if not with_scores:
+            return logits.argmax(dim=-1), None
         lprobs = F.log_softmax(logits.float(), dim=-1)
         log_probs, tokens = lprobs.max(dim=-1)
         return tokens, log_probs
@@ -241,6 +248,7 @@ class SpecDecNATDecoder(FairseqDecoder):
             self.output_projection = nn.Linear(embed_dim, self.num_types, bias=False)
             nn.init.normal_(self.output_projection.weight, mean=0, std=embed_dim ** -0.5)
         self.max_target_positions = cfg.max_target_positions
+        self._inference_projection = TransposedProjection()
 
     def max_positions(self):
         return self.max_target_positions
@@ -292,9 +300,14 @@ class SpecDecNATDecoder(FairseqDecoder):
 
     def output_layer(self, features: Tensor) -> Tensor:
         """Logits over the real types (the mask is excluded)."""
-        if self.output_projection is None:
-            return F.linear(features, self.embed_tokens.weight[: self.num_types])
-        return self.output_projection(features)
+        weight = (
+            self.embed_tokens.weight[: self.num_types]
+            if self.output_projection is None
+            else self.output_projection.weight
+        )
+        if not self.training and not torch.is_grad_enabled():  # inference: faster CPU layout
+            return self._inference_projection(features, weight)
+        return F.linear(features, weight)
 
     def forward(self, prev_output_tokens, encoder_out=None, block_mask=None, **kwargs):
         features = self.extract_features(prev_output_tokens, encoder_out)
