@@ -118,9 +118,11 @@ def run_worker(spec: Dict) -> Dict:
     }
     stats = getattr(generator, "stats", None)
     if stats is not None:
-        result.update(tok=stats.mean_accepted, iterations=stats.iterations, out_tokens=stats.tokens)
+        # the timed pass only (the warm-up had its own statistics object)
+        result.update(tok=stats.mean_accepted, iterations=stats.iterations, out_tokens=stats.tokens,
+                      histogram={str(n): c for n, c in sorted(stats.histogram.items())}, summary=stats.summary())
     else:  # autoregressive: one token per step
-        out_tokens = sum(len(v) - 1 for v in hyps.values())
+        out_tokens = sum(len(v) for v in hyps.values())  # EOS included: one per decoder step
         result.update(tok=1.0, iterations=out_tokens, out_tokens=out_tokens)
     return result
 
@@ -361,6 +363,8 @@ def main(argv=None):
         res["sent_per_s"] = n / res["seconds"]
         res["ms_per_sent"] = 1000.0 * res["seconds"] / n
         logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']} ({time.time() - t0:.0f}s)")
+        if "summary" in res:
+            logger.info(f"  {res['summary']}")
         rows.append(res)
 
     by_name = {r["name"]: r for r in rows}

@@ -84,6 +84,49 @@ def tiny_drafter(toy_bin):
     return model.eval(), task, cfg
 
 
+@pytest.fixture(scope="session")
+def correction_bin(tmp_path_factory):
+    """Binarized toy correction corpus (one joined dictionary): train/valid/test (50)."""
+    import toy_corpus
+
+    root = tmp_path_factory.mktemp("toy_correction")
+    raw, dest = root / "raw", root / "bin"
+    splits = {name: H.SPLITS[name] for name in ("train", "valid", "test")}
+    toy_corpus.write_corpus(str(raw), splits, make=toy_corpus.make_correction_lines)
+    toy_corpus.binarize(str(raw), str(dest), tests=("test",))
+    return str(dest)
+
+
+@pytest.fixture(scope="session")
+def corrector_checkpoint(correction_bin, tmp_path_factory):
+    """A tiny Transformer corrector trained by stock fairseq-train."""
+    save_dir = tmp_path_factory.mktemp("ckpt_corrector")
+    H.run([
+        H.cli("fairseq-train"), correction_bin, "--task", "translation", *H.AR_ARCH_ARGS, *H.OPTIM_ARGS,
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-update", "400", "--save-dir", save_dir,
+    ])
+    path = save_dir / "checkpoint_best.pt"
+    assert path.is_file()
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def blockwise_checkpoint(toy_bin, ar_checkpoint, tmp_path_factory):
+    """A blockwise_transformer (k = 3): the trained tiny Transformer plus two
+    heads trained on its frozen states with the blockwise_heads criterion."""
+    save_dir = tmp_path_factory.mktemp("ckpt_blockwise")
+    arch = [a if a != "transformer" else "blockwise_transformer" for a in H.AR_ARCH_ARGS]
+    H.run([
+        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, "--task", "draft_verify", *arch,
+        "--blockwise-k", "3", "--criterion", "blockwise_heads", "--init-from-verifier", ar_checkpoint,
+        *H.OPTIM_ARGS, "--max-update", "300", "--save-dir", save_dir,
+    ])
+    path = save_dir / "checkpoint_best.pt"
+    assert path.is_file()
+    return str(path)
+
+
 def pytest_configure(config):
     # fairseq/hydra deprecation noise
     config.addinivalue_line("filterwarnings", "ignore::UserWarning")

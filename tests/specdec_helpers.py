@@ -1,4 +1,5 @@
 """Shared helpers for the fairseq-specdec tests (imported by conftest and tests)."""
+import json
 import os
 import re
 import subprocess
@@ -222,3 +223,81 @@ def decode(generator, model, samples):
             assert sid not in out
             out[sid] = hypos[i][0]
     return out
+
+
+# ---------------------------------------------------------------- in-process generation
+def run_generator(gen, model, samples, drafter=None):
+    """{id: hypothesis} of ``gen`` on ``samples``; ``drafter.begin(ids)`` is
+    called before each batch for test drafters that need the sentence ids."""
+    out = {}
+    for sample in samples:
+        if drafter is not None:
+            drafter.begin(sample["id"].tolist())
+        hypos = gen.generate([model], sample)
+        assert len(hypos) == len(sample["id"])
+        for i, sid in enumerate(sample["id"].tolist()):
+            assert sid not in out
+            assert len(hypos[i]) == 1
+            out[sid] = hypos[i][0]
+    return out
+
+
+def assert_identical(ref, got, atol=1e-4):
+    """In-process hypotheses: same ids, tokens, scores and positional scores."""
+    import torch
+
+    assert sorted(got) == sorted(ref)
+    for i in ref:
+        r, g = ref[i], got[i]
+        assert g["tokens"].tolist() == r["tokens"].tolist(), f"sentence {i}"
+        assert abs(float(g["score"]) - float(r["score"])) <= atol, f"sentence {i}: score"
+        assert g["positional_scores"].shape == r["positional_scores"].shape
+        assert torch.allclose(g["positional_scores"], r["positional_scores"], atol=atol), f"sentence {i}"
+
+
+def read_stats(path):
+    with open(path) as f:
+        return {d["id"]: d for d in map(json.loads, f)}
+
+
+def check_stats(stats, hyps, k):
+    """Per-sentence statistics agree with the output."""
+    assert sorted(stats) == sorted(hyps)
+    for i, s in stats.items():
+        n = len(hyps[i]["tokens"])  # EOS included
+        assert s["length"] == n - 1
+        assert s["iterations"] == len(s["accepted"]) >= 1
+        assert sum(s["accepted"]) == n  # EOS included
+        assert all(1 <= a <= k + 1 for a in s["accepted"])
+
+
+OPTION_SETS = {
+    "default": dict(max_len_a=0, max_len_b=200, min_len=1),
+    # the length limit falls inside a block (k = 4 > 3): fairseq forces EOS at step 3
+    "max_len_3": dict(max_len_a=0, max_len_b=3, min_len=1),
+    # longer than any natural output (targets have at most 12 tokens + EOS)
+    "min_len_15": dict(max_len_a=0, max_len_b=200, min_len=15),
+    "lenpen_unkpen_temp": dict(max_len_a=0, max_len_b=200, min_len=1, len_penalty=0.5, unk_penalty=-3.0, temperature=0.7),
+}
+
+
+def seq_gen(model, tgt_dict, opts):
+    from fairseq.sequence_generator import SequenceGenerator
+
+    return SequenceGenerator([model], tgt_dict, beam_size=1, **opts)
+
+
+def spec_gen(model, drafter, tgt_dict, k, opts, stats=None, acceptance=None):
+    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
+
+    return SpeculativeGenerator(model, drafter, acceptance or StrictAcceptance(), tgt_dict, block_size=k, stats=stats, **opts)
+
+
+def speculative_run(model, drafter, tgt_dict, k, opts, samples, stats_path, acceptance=None):
+    """Decode ``samples`` with a SpeculativeGenerator that writes per-sentence
+    statistics; returns ({id: hypothesis}, {id: statistics})."""
+    from fairseq_specdec.generation import SpecDecStats
+
+    gen = spec_gen(model, drafter, tgt_dict, k, opts, stats=SpecDecStats(str(stats_path)), acceptance=acceptance)
+    got = run_generator(gen, model, samples, drafter if hasattr(drafter, "begin") else None)
+    return got, read_stats(stats_path)

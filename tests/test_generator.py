@@ -6,15 +6,14 @@ are an oracle (proposes the reference continuation: every draft accepted), a
 rejecting drafter (proposes pad, which the verifier never picks: every draft
 rejected) and an untrained specdec_nat drafter (mostly wrong, sometimes right).
 """
-import json
 import math
 
 import pytest
 import torch
 
 import specdec_helpers as H
+from specdec_helpers import OPTION_SETS, assert_identical, check_stats, run_generator, seq_gen, spec_gen, speculative_run
 import fairseq_specdec  # noqa: F401
-from fairseq.sequence_generator import SequenceGenerator
 from fairseq_specdec.generation import (
     Drafter,
     NATBlockDrafter,
@@ -75,65 +74,6 @@ class IdsAwareNAT(NATBlockDrafter):
         pass
 
 
-def run_generator(gen, model, samples, drafter=None):
-    out = {}
-    for sample in samples:
-        if drafter is not None:
-            drafter.begin(sample["id"].tolist())
-        hypos = gen.generate([model], sample)
-        assert len(hypos) == len(sample["id"])
-        for i, sid in enumerate(sample["id"].tolist()):
-            assert sid not in out
-            assert len(hypos[i]) == 1
-            out[sid] = hypos[i][0]
-    return out
-
-
-def assert_identical(ref, got, atol=1e-4):
-    assert sorted(got) == sorted(ref)
-    for i in ref:
-        r, g = ref[i], got[i]
-        assert g["tokens"].tolist() == r["tokens"].tolist(), f"sentence {i}"
-        assert abs(float(g["score"]) - float(r["score"])) <= atol, f"sentence {i}: score"
-        assert g["positional_scores"].shape == r["positional_scores"].shape
-        assert torch.allclose(g["positional_scores"], r["positional_scores"], atol=atol), f"sentence {i}"
-
-
-def read_stats(path):
-    with open(path) as f:
-        return {d["id"]: d for d in map(json.loads, f)}
-
-
-def check_stats(stats, hyps, k):
-    """Per-sentence statistics agree with the output."""
-    assert sorted(stats) == sorted(hyps)
-    for i, s in stats.items():
-        n = len(hyps[i]["tokens"])  # EOS included
-        assert s["length"] == n - 1
-        assert s["iterations"] == len(s["accepted"]) >= 1
-        assert sum(s["accepted"]) == n - 1
-        assert all(1 <= a <= k + 1 for a in s["accepted"][:-1])
-        assert 0 <= s["accepted"][-1] <= k
-
-
-OPTION_SETS = {
-    "default": dict(max_len_a=0, max_len_b=200, min_len=1),
-    # the length limit falls inside a block (k = 4 > 3): fairseq forces EOS at step 3
-    "max_len_3": dict(max_len_a=0, max_len_b=3, min_len=1),
-    # longer than any natural output (targets have at most 12 tokens + EOS)
-    "min_len_15": dict(max_len_a=0, max_len_b=200, min_len=15),
-    "lenpen_unkpen_temp": dict(max_len_a=0, max_len_b=200, min_len=1, len_penalty=0.5, unk_penalty=-3.0, temperature=0.7),
-}
-
-
-def seq_gen(model, tgt_dict, opts):
-    return SequenceGenerator([model], tgt_dict, beam_size=1, **opts)
-
-
-def spec_gen(model, drafter, tgt_dict, k, opts, stats=None, acceptance=None):
-    return SpeculativeGenerator(model, drafter, acceptance or StrictAcceptance(), tgt_dict, block_size=k, stats=stats, **opts)
-
-
 @pytest.fixture(scope="module")
 def reference(verifier):
     """{(option set, batch size): {id: hypo}} from fairseq's SequenceGenerator."""
@@ -170,11 +110,8 @@ def test_oracle_drafter_exact_and_all_accepted(verifier, reference, tmp_path, op
     k = 4
     ref = reference(opts, bsz)
     drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
-    stats_path = tmp_path / "stats.jsonl"
-    gen = spec_gen(model, drafter, d, k, OPTION_SETS[opts], stats=SpecDecStats(str(stats_path)))
-    got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+    got, stats = speculative_run(model, drafter, d, k, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
-    stats = read_stats(stats_path)
     check_stats(stats, got, k)
     for i, s in stats.items():
         n = len(got[i]["tokens"])
@@ -192,11 +129,8 @@ def test_eos_inside_the_block(verifier, reference, tmp_path, bsz):
     k = 40
     assert all(len(h["tokens"]) < k for h in ref.values())
     drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
-    stats_path = tmp_path / "stats.jsonl"
-    gen = spec_gen(model, drafter, d, k, OPTION_SETS["default"], stats=SpecDecStats(str(stats_path)))
-    got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+    got, stats = speculative_run(model, drafter, d, k, OPTION_SETS["default"], H.batches(task, "test", bsz), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
-    stats = read_stats(stats_path)
     assert all(s["iterations"] == 1 for s in stats.values())
 
 
@@ -208,16 +142,13 @@ def test_rejecting_drafter_exact(verifier, reference, tmp_path, opts, bsz):
     d = task.target_dictionary
     ref = reference(opts, bsz)
     for k in (1, 3):
-        stats_path = tmp_path / f"stats{k}.jsonl"
         drafter = RejectingDrafter(d.pad())
-        gen = spec_gen(model, drafter, d, k, OPTION_SETS[opts], stats=SpecDecStats(str(stats_path)))
-        got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+        got, stats = speculative_run(model, drafter, d, k, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / f"stats{k}.jsonl")
         assert_identical(ref, got)
-        stats = read_stats(stats_path)
         check_stats(stats, got, k)
         for i, s in stats.items():
             assert s["iterations"] == len(got[i]["tokens"])
-            assert all(a == 1 for a in s["accepted"][:-1]) and s["accepted"][-1] == 0
+            assert all(a == 1 for a in s["accepted"])
 
 
 @pytest.mark.parametrize("opts", list(OPTION_SETS))
@@ -229,11 +160,9 @@ def test_untrained_nat_drafter_exact(verifier, reference, tiny_drafter, tmp_path
     d = task.target_dictionary
     ref = reference(opts, bsz)
     drafter = IdsAwareNAT(drafter_model)
-    stats_path = tmp_path / "stats.jsonl"
-    gen = spec_gen(model, drafter, d, k, OPTION_SETS[opts], stats=SpecDecStats(str(stats_path)))
-    got = run_generator(gen, model, H.batches(task, "test", bsz), drafter)
+    got, stats = speculative_run(model, drafter, d, k, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
-    check_stats(read_stats(stats_path), got, k)
+    check_stats(stats, got, k)
 
 
 def test_oracle_k1_iterations(verifier, reference, tmp_path):
@@ -241,11 +170,9 @@ def test_oracle_k1_iterations(verifier, reference, tmp_path):
     d = task.target_dictionary
     ref = reference("default", 3)
     drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
-    stats_path = tmp_path / "stats.jsonl"
-    gen = spec_gen(model, drafter, d, 1, OPTION_SETS["default"], stats=SpecDecStats(str(stats_path)))
-    got = run_generator(gen, model, H.batches(task, "test", 3), drafter)
+    got, stats = speculative_run(model, drafter, d, 1, OPTION_SETS["default"], H.batches(task, "test", 3), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
-    for i, s in read_stats(stats_path).items():
+    for i, s in stats.items():
         assert s["iterations"] == math.ceil(len(got[i]["tokens"]) / 2)
 
 

@@ -221,3 +221,18 @@ def test_missing_config_fails():
     proc = run_recipe("configs/no-such-config.sh", "--dry-run")
     assert proc.returncode != 0
     assert "no such config" in proc.stderr
+
+
+def test_multi30k_recipe_checks_every_stage_of_a_group_first(tmp_path):
+    """`drafter+blockwise` runs two stages side by side; a bad name anywhere
+    stops the recipe before any stage runs."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "run-multi30k.sh"), "average", "drafter+train-everything"],
+        cwd=ROOT, env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OUT": str(out), "LANG": "C.UTF-8"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "unknown stage 'train-everything'" in proc.stderr
+    assert "stage" not in proc.stdout  # not even `average` started
+    assert not (out / "drafter").exists()

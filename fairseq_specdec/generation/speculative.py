@@ -196,7 +196,7 @@ class SpeculativeGenerator:
             for i, row in enumerate(rows):
                 lengths_host[i] += n_new_host[i]
                 if done_host[i]:
-                    accepted[row].append(n_new_host[i] - 1)  # the final EOS is not counted
+                    accepted[row].append(n_new_host[i])  # the final EOS included
                     finalized[row] = self._finalize(tokens[i], pos_scores[i], lengths_host[i], cum[i])
                     sample_id = int(sample["id"][row]) if "id" in sample else row
                     self.stats.add(sample_id, lengths_host[i] - 1, accepted[row], now - start_time)

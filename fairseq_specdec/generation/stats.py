@@ -11,8 +11,10 @@ class SpecDecStats:
     """Counts what the papers report.
 
     ``accepted`` of one iteration is the number of tokens it added to the
-    output, the verifier's own token included and a final EOS excluded;
-    Tok. is their sum over all iterations divided by the number of iterations.
+    output, the verifier's own token and a final EOS included, so that Tok.
+    (their sum over all iterations divided by the number of iterations) is
+    exactly 1 for greedy decoding, one token per decoder call, and
+    ``iterations`` is the number of verifier calls.
     """
 
     def __init__(self, path: Optional[str] = None, name: str = "draft-verify"):
@@ -26,9 +28,10 @@ class SpecDecStats:
         self._reported_at = -1
 
     def add(self, sample_id: int, length: int, accepted: List[int], seconds: float) -> None:
-        """``length``: output tokens excluding the final EOS."""
+        """``length``: output tokens excluding the final EOS; ``accepted``:
+        tokens added by each iteration (they sum to ``length + 1``)."""
         self.sentences += 1
-        self.tokens += length
+        self.tokens += sum(accepted)
         self.iterations += len(accepted)
         self.histogram.update(accepted)
         if self._file is not None:
@@ -52,10 +55,10 @@ class SpecDecStats:
     def summary(self) -> str:
         hist = " ".join(f"{n}:{self.histogram[n]}" for n in sorted(self.histogram))
         return (
-            f"{self.name}: {self.sentences} sentences, {self.tokens} target tokens, "
+            f"{self.name}: {self.sentences} sentences, {self.tokens} tokens (EOS included), "
             f"{self.iterations} iterations, Tok. {self.mean_accepted:.2f}, "
             f"{self.iterations / max(self.sentences, 1):.2f} iterations/sentence; "
-            f"accepted tokens per iteration (count:iterations) {hist}"
+            f"tokens added per iteration (count:iterations) {hist}"
         )
 
     def report(self, expected: Optional[int]) -> None:

@@ -1,0 +1,52 @@
+"""scripts/benchmark.py end to end on the toy models: every row decodes every
+sentence, strict draft-verify and blockwise are identical to beam 1, the
+table, hypotheses, results.json and the plots are written.  (Timings are not
+checked: speed is what the script measures, not what a test asserts.)"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import specdec_helpers as H
+
+pytestmark = pytest.mark.slow
+
+
+def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_checkpoint, blockwise_checkpoint, tmp_path):
+    raw_ref = Path(toy_bin).parent / "raw" / "test.tgt"
+    out = tmp_path / "bench"
+    proc = H.run([
+        H.cli("python"), H.ROOT / "scripts" / "benchmark.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+        "--verifier", ar_checkpoint, "--drafter", nat_checkpoint, "--blockwise", blockwise_checkpoint,
+        "--rows", "beam5,beam1,strict,relaxed,blockwise", "--relaxed", "3:1", "--batch-sizes", "1,4",
+        "--raw-ref", raw_ref, "--detok-lang", "en", "--warmup", "5", "--out", out,
+        "--sweeps", "--sweep-batch-sizes", "1,4", "--sweep-ks", "2,4", "--sweep-betas", "1,3", "--sweep-taus", "0,1",
+    ])
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["name"]: r for r in results["rows"]}
+    for bs in (1, 4):
+        assert {f"{kind}@bs{bs}" for kind in ("beam5", "beam1", "strict", "b3t1", "blockwise")} <= set(rows)
+    assert results["sentences"] == H.SPLIT_SIZES["test"]
+    for r in rows.values():
+        assert r["sentences"] == H.SPLIT_SIZES["test"]
+        assert r["tok"] >= 1.0 and r["seconds"] > 0
+    for bs in (1, 4):
+        assert rows[f"strict@bs{bs}"]["identical_to_beam1"], rows[f"strict@bs{bs}"]["differs_from_beam1"]
+        assert rows[f"blockwise@bs{bs}"]["identical_to_beam1"]
+        assert rows[f"beam1@bs{bs}"]["tok"] == 1.0
+    # statistics of the timed pass: Tok. is output tokens over iterations
+    strict = rows["strict@bs1"]
+    assert strict["tok"] == pytest.approx(strict["out_tokens"] / strict["iterations"])
+    assert sum(int(n) * c for n, c in strict["histogram"].items()) == strict["out_tokens"]
+
+    table = (out / "results.md").read_text()
+    assert "draft-verify strict" in table and "blockwise" in table
+    hyp = (out / "hyp.strict@bs1.txt").read_text().splitlines()
+    assert len(hyp) == H.SPLIT_SIZES["test"]
+    assert set(results["k_sweep"]["strict"]) == {"2", "4"}
+    assert set(results["batch_sweep"]["draft-verify strict"]) == {"1", "4"}
+    assert set(results["beta_tau_sweep"]) == {"beta=1", "beta=3"}
+    for name in ("speedup-distribution.png", "latency-vs-batch.png", "tok-vs-k.png", "tok-vs-beta-tau.png"):
+        assert os.path.getsize(out / name) > 1000, name
+    assert "draft-verify strict" in proc.stdout  # the table is printed too
