@@ -95,7 +95,7 @@ def run_worker(spec: Dict) -> Dict:
     if hasattr(generator, "stats"):
         from fairseq_specdec.generation import SpecDecStats
 
-        generator.stats = SpecDecStats()
+        generator.stats = SpecDecStats(name=generator.stats.name)
 
     hyps, per_sentence_ms = {}, {}
     start = time.perf_counter()
@@ -277,7 +277,7 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=None, help="k for draft-verify (default: the drafter's)")
     parser.add_argument("--relaxed", default="3:1,3:3,5:1,5:3", help="beta:tau grid of relaxed settings")
     parser.add_argument("--verify-score", default="verifier", choices=["verifier", "drafter"])
-    parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences")
+    parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences in fairseq's batch order (shortest sources first)")
     parser.add_argument("--warmup", type=int, default=20, help="sentences decoded before timing")
     parser.add_argument("--sweeps", action="store_true", help="also run the batch-size, k and beta/tau sweeps for the plots")
     parser.add_argument("--sweep-batch-sizes", default="1,2,4,8,16,32,64")
