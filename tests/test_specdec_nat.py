@@ -121,13 +121,19 @@ def test_transposed_projection_matches_linear_and_follows_weight_updates():
     weight = torch.randn(50, 8, generator=gen)
     bias = torch.randn(50, generator=gen)
     x = torch.randn(3, 4, 8, generator=gen)
+    linear = torch.nn.functional.linear
     project = TransposedProjection()
-    torch.testing.assert_close(project(x, weight), torch.nn.functional.linear(x, weight))
-    torch.testing.assert_close(project(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
-    weight.mul_(-2.0)  # an in-place update (an optimizer step) must not leave a stale copy
-    torch.testing.assert_close(project(x, weight), torch.nn.functional.linear(x, weight))
-    other = torch.randn(50, 8, generator=gen)
-    torch.testing.assert_close(project(x, other), torch.nn.functional.linear(x, other))
+    with torch.no_grad():
+        torch.testing.assert_close(project(x, weight), linear(x, weight))
+        torch.testing.assert_close(project(x, weight, bias), linear(x, weight, bias))
+        weight.mul_(-2.0)  # an in-place update (an optimizer step) must not leave a stale copy
+        torch.testing.assert_close(project(x, weight), linear(x, weight))
+        other = torch.randn(50, 8, generator=gen)
+        torch.testing.assert_close(project(x, other), linear(x, other))
+    # with gradients enabled the weight still receives its gradient
+    trained = weight.clone().requires_grad_()
+    project(x, trained).sum().backward()
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("lengths", [[0, 3, 5], [5, 0, 3]])

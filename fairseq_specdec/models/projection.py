@@ -10,6 +10,7 @@ floating-point rounding order, like any two GEMM kernels.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -18,7 +19,10 @@ class TransposedProjection:
 
     The copy is rebuilt whenever ``weight`` changes: another tensor, or an
     in-place update (which bumps ``weight._version``), so an optimizer step
-    between two calls never leaves a stale copy.  Use under ``no_grad`` only.
+    between two calls never leaves a stale copy.  With gradients enabled it
+    is plain ``F.linear`` (the cached copy is detached, so no gradient would
+    reach ``weight``).  Callers that update ``weight`` every step (training
+    mode) should call ``F.linear`` themselves rather than rebuild the copy.
     """
 
     def __init__(self):
@@ -26,6 +30,8 @@ class TransposedProjection:
         self._weight_t: Optional[Tensor] = None
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        if torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.device, weight.dtype)
         if key != self._key:
             self._weight_t = weight.detach().t().contiguous()
