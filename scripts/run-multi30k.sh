@@ -52,10 +52,16 @@ stage_blockwise() {
     --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
-# block_acc of a drafter checkpoint on the distilled validation set
+# block_acc of a drafter checkpoint on the distilled validation set (the
+# fairseq-validate log is kept next to the checkpoint); fails with the log's
+# name when no block_acc can be read from it
 block_acc() {
+  local log=${1%.pt}.validate.log acc
   fairseq-validate "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" --task draft_verify --path "$1" \
-    --cpu --max-tokens 4096 --num-workers 0 2>&1 | sed -n 's/.*valid on .*| block_acc \([0-9.]*\) .*/\1/p' | tail -1
+    --cpu --max-tokens 4096 --num-workers 0 > "$log" 2>&1 || true
+  acc=$(sed -n 's/.*valid on .*| block_acc \([0-9.]*\) .*/\1/p' "$log" | tail -1)
+  if [ -z "$acc" ]; then echo "no validation block_acc for $1: see $log" >&2; return 1; fi
+  echo "$acc"
 }
 
 # Average the last epoch checkpoints, then keep whichever of the average and
