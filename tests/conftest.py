@@ -19,30 +19,42 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def write_toy_bin(root, splits, make):
+    """Write the ``splits`` of a toy corpus under root/raw and binarize them
+    (one joined dictionary) into root/bin; every split but train/valid is a test split."""
+    import toy_corpus
+
+    raw, dest = root / "raw", root / "bin"
+    toy_corpus.write_corpus(str(raw), splits, make=make)
+    toy_corpus.binarize(str(raw), str(dest), tests=tuple(s for s in splits if s not in ("train", "valid")))
+    return str(dest)
+
+
 @pytest.fixture(scope="session")
 def toy_bin(tmp_path_factory):
     """Binarized toy corpus: train/valid and test splits test (50), test1 (57), test2 (1000)."""
     import toy_corpus
 
-    root = tmp_path_factory.mktemp("toy")
-    raw, dest = root / "raw", root / "bin"
-    toy_corpus.write_corpus(str(raw), H.SPLITS)
-    toy_corpus.binarize(str(raw), str(dest), tests=("test", "test1", "test2"))
-    return str(dest)
+    return write_toy_bin(tmp_path_factory.mktemp("toy"), H.SPLITS, toy_corpus.make_lines)
 
 
-@pytest.fixture(scope="session")
-def ar_checkpoint(toy_bin, tmp_path_factory):
-    """A tiny Transformer trained by stock fairseq-train (no --user-dir)."""
-    save_dir = tmp_path_factory.mktemp("ckpt_ar")
+def train_tiny_transformer(data, save_dir):
+    """checkpoint_best.pt of the tiny Transformer trained on ``data`` by stock
+    fairseq-train (no --user-dir)."""
     H.run([
-        H.cli("fairseq-train"), toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, *H.OPTIM_ARGS,
+        H.cli("fairseq-train"), data, "--task", "translation", *H.AR_ARCH_ARGS, *H.OPTIM_ARGS,
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--max-update", "400", "--save-dir", save_dir,
     ])
     path = save_dir / "checkpoint_best.pt"
     assert path.is_file()
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def ar_checkpoint(toy_bin, tmp_path_factory):
+    """A tiny Transformer translation model."""
+    return train_tiny_transformer(toy_bin, tmp_path_factory.mktemp("ckpt_ar"))
 
 
 @pytest.fixture(scope="session")
@@ -89,26 +101,14 @@ def correction_bin(tmp_path_factory):
     """Binarized toy correction corpus (one joined dictionary): train/valid/test (50)."""
     import toy_corpus
 
-    root = tmp_path_factory.mktemp("toy_correction")
-    raw, dest = root / "raw", root / "bin"
     splits = {name: H.SPLITS[name] for name in ("train", "valid", "test")}
-    toy_corpus.write_corpus(str(raw), splits, make=toy_corpus.make_correction_lines)
-    toy_corpus.binarize(str(raw), str(dest), tests=("test",))
-    return str(dest)
+    return write_toy_bin(tmp_path_factory.mktemp("toy_correction"), splits, toy_corpus.make_correction_lines)
 
 
 @pytest.fixture(scope="session")
 def corrector_checkpoint(correction_bin, tmp_path_factory):
-    """A tiny Transformer corrector trained by stock fairseq-train."""
-    save_dir = tmp_path_factory.mktemp("ckpt_corrector")
-    H.run([
-        H.cli("fairseq-train"), correction_bin, "--task", "translation", *H.AR_ARCH_ARGS, *H.OPTIM_ARGS,
-        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-update", "400", "--save-dir", save_dir,
-    ])
-    path = save_dir / "checkpoint_best.pt"
-    assert path.is_file()
-    return str(path)
+    """A tiny Transformer corrector (same model and training as ar_checkpoint)."""
+    return train_tiny_transformer(correction_bin, tmp_path_factory.mktemp("ckpt_corrector"))
 
 
 @pytest.fixture(scope="session")

@@ -97,17 +97,16 @@ def test_blockwise_exact(greedy, tmp_path, opts, bsz):
         assert any(a >= 2 for s in stats.values() for a in s["accepted"])
 
 
-@pytest.mark.parametrize("bsz", [1, 16])
-def test_input_guided_cli_matches_beam1(corrector_checkpoint, correction_bin, bsz):
-    ref = H.generate(correction_bin, corrector_checkpoint, "--decoding", "autoregressive", task="draft_verify", batch_size=bsz)
-    got = H.generate(correction_bin, corrector_checkpoint, "--decoding", "input-guided", task="draft_verify", batch_size=bsz)
-    H.assert_same_hypotheses(H.parse_generate(ref.stdout), H.parse_generate(got.stdout))
-    assert "input-guided: 50 sentences" in got.stdout + got.stderr  # the statistics line
+# decoding -> (checkpoint fixture, data fixture)
+CLI_MODELS = {"input-guided": ("corrector_checkpoint", "correction_bin"), "blockwise": ("blockwise_checkpoint", "toy_bin")}
 
 
 @pytest.mark.parametrize("bsz", [1, 16])
-def test_blockwise_cli_matches_beam1(blockwise_checkpoint, toy_bin, bsz):
-    ref = H.generate(toy_bin, blockwise_checkpoint, "--decoding", "autoregressive", task="draft_verify", batch_size=bsz)
-    got = H.generate(toy_bin, blockwise_checkpoint, "--decoding", "blockwise", task="draft_verify", batch_size=bsz)
+@pytest.mark.parametrize("decoding", list(CLI_MODELS))
+def test_cli_matches_beam1(request, decoding, bsz):
+    """Through the stock fairseq-generate: identical H-/P- lines, one statistics line."""
+    checkpoint, data = (request.getfixturevalue(name) for name in CLI_MODELS[decoding])
+    ref = H.generate(data, checkpoint, "--decoding", "autoregressive", task="draft_verify", batch_size=bsz)
+    got = H.generate(data, checkpoint, "--decoding", decoding, task="draft_verify", batch_size=bsz)
     H.assert_same_hypotheses(H.parse_generate(ref.stdout), H.parse_generate(got.stdout))
-    assert "blockwise: 50 sentences" in got.stdout + got.stderr  # the statistics line
+    assert f"{decoding}: 50 sentences" in got.stdout + got.stderr  # the statistics line
