@@ -16,10 +16,14 @@ Outputs in ``--out``: ``results.json``, ``results.md`` (the table), hypothesis
 files, and PNG plots (per-sentence speedup distribution, latency vs batch
 size, Tok. vs k and vs beta/tau).
 
+With ``--jobs 2`` two decoders are timed at once (one per core, one thread
+each); a discarded beam-1 decoder fills a free slot until the last row ends,
+so every row is timed with the other core busy.
+
 Example (the Multi30k demo models):
-    scripts/benchmark.py --data data/multi30k.en-de/bin --verifier runs/m30k/verifier/checkpoint_best.pt \\
-        --drafter runs/m30k/drafter/checkpoint_avg.pt --bpe-test data/multi30k.en-de/tok/test_2016_flickr.de \\
-        --raw-ref ../shared/data/multi30k/test_2016_flickr.de.gz --out runs/m30k/benchmark
+    scripts/benchmark.py --data runs/multi30k.en-de/distill/bin --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt \\
+        --drafter runs/multi30k.en-de/drafter/checkpoint_selected.pt --tok-ref data/multi30k.en-de/tok/test_2016_flickr.de \\
+        --raw-ref ../shared/data/multi30k/test_2016_flickr.de.gz --out runs/multi30k.en-de/benchmark --jobs 2
 """
 import argparse
 import gzip
@@ -30,7 +34,7 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROW_KINDS = ("beam5", "beam1", "strict", "relaxed", "input-guided", "blockwise")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,6 +88,11 @@ def run_worker(spec: Dict) -> Dict:
             seen += len(sample["id"])
             yield sample
 
+    if spec.get("filler"):  # load for an idle core: decode until killed, report nothing
+        while True:
+            for sample in batches():
+                task.inference_step(generator, models, sample)
+
     # warm-up (excluded): the first sentences, once
     warm = spec.get("warmup", 20)
     done = 0
@@ -127,21 +136,75 @@ def run_worker(spec: Dict) -> Dict:
     return result
 
 
-def launch_worker(spec: Dict) -> Dict:
-    """Run one configuration in a fresh process (its own peak memory, pinned threads)."""
-    import tempfile
+class WorkerProcess:
+    """One configuration decoding in a fresh process (its own peak memory, pinned threads)."""
 
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = dict(spec, result_path=os.path.join(tmp, "result.json"))
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-            env=env, capture_output=True, text=True,
+    def __init__(self, spec: Dict):
+        import tempfile
+
+        self.tmp = tempfile.TemporaryDirectory()
+        self.spec = dict(spec, result_path=os.path.join(self.tmp.name, "result.json"))
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+        self.log = open(os.path.join(self.tmp.name, "worker.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(self.spec)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True,
         )
-        if proc.returncode != 0:
-            raise RuntimeError(f"worker failed for {spec['name']}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        with open(spec["result_path"]) as f:
-            return json.load(f)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+    def result(self) -> Dict:
+        self.proc.wait()
+        try:
+            if self.proc.returncode != 0:
+                self.log.seek(0)
+                raise RuntimeError(f"worker failed for {self.spec['name']}:\n{self.log.read()[-6000:]}")
+            with open(self.spec["result_path"]) as f:
+                return json.load(f)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        self.tmp.cleanup()
+
+
+def run_specs(specs: List[Dict], jobs: int = 1, filler: Optional[Dict] = None, on_result=None) -> List[Dict]:
+    """Run every spec, ``jobs`` worker processes at a time; results in spec order.
+
+    With ``jobs`` > 1 and a ``filler`` spec, no slot stays idle while a row is
+    being timed: when fewer rows than slots are left, the free slots run the
+    filler (a decoder whose output is discarded) until the last row ends, so
+    every row is timed under the same load on the other cores.
+    """
+    results: List[Optional[Dict]] = [None] * len(specs)
+    pending = list(enumerate(specs))
+    running: Dict[int, WorkerProcess] = {}
+    fillers: List[WorkerProcess] = []
+    try:
+        while pending or running:
+            while pending and len(running) + len(fillers) < jobs:
+                i, spec = pending.pop(0)
+                running[i] = WorkerProcess(spec)
+            if not pending and running and filler is not None:
+                while len(running) + len(fillers) < jobs:
+                    fillers.append(WorkerProcess(dict(filler, name="filler", filler=True)))
+            finished = [i for i, w in running.items() if w.done()]
+            if not finished:
+                time.sleep(0.2)
+                continue
+            for i in finished:
+                results[i] = running.pop(i).result()
+                if on_result is not None:
+                    on_result(specs[i], results[i])
+    finally:
+        for w in list(running.values()) + fillers:
+            w.close()
+    return results
 
 
 # --------------------------------------------------------------------------- scoring
@@ -238,6 +301,12 @@ def make_plots(results: Dict, out_dir: str) -> List[str]:
     return written
 
 
+def load_note(jobs: int) -> str:
+    if jobs <= 1:
+        return "one decoder at a time"
+    return f"{jobs} decoders at a time (every row timed while the other {jobs - 1} slot(s) decode too)"
+
+
 def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
@@ -273,9 +342,15 @@ def main(argv=None):
     parser.add_argument("--detok-lang", default=None, help="Moses detokenizer language (default: --tgt)")
     parser.add_argument("--out", required=False, default="benchmark-results")
     parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per decoder (default 1)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="decoders timed at the same time, each in its own process with --threads threads "
+                             "(default 1: one at a time). With more, no core idles while a row is timed "
+                             "(a discarded beam-1 decoder fills free slots), so every row sees the same load")
     parser.add_argument("--batch-sizes", default="1,32", help="batch sizes of the main table")
     parser.add_argument("--block-size", type=int, default=None, help="k for draft-verify (default: the drafter's)")
     parser.add_argument("--relaxed", default="3:1,3:3,5:1,5:3", help="beta:tau grid of relaxed settings")
+    parser.add_argument("--relaxed-batch-sizes", default=None,
+                        help="batch sizes of the relaxed rows (default: every --batch-sizes)")
     parser.add_argument("--verify-score", default="verifier", choices=["verifier", "drafter"])
     parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences in fairseq's batch order (shortest sources first)")
     parser.add_argument("--warmup", type=int, default=20, help="sentences decoded before timing")
@@ -323,8 +398,10 @@ def main(argv=None):
         if kind in wanted and not getattr(args, needs):
             parser.error(f"--rows {kind} needs --{needs}")
 
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    relaxed_bs = [int(b) for b in args.relaxed_batch_sizes.split(",")] if args.relaxed_batch_sizes else batch_sizes
     specs = []
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    for bs in batch_sizes:
         ar = dict(common, decoding="autoregressive", path=args.verifier, batch_size=bs, extra=[])
         for kind in wanted:
             if kind == "beam5":
@@ -333,7 +410,7 @@ def main(argv=None):
                 specs.append(dict(ar, name=f"beam1@bs{bs}", label="fairseq beam 1", beam=1))
             elif kind == "strict":
                 specs.append(dv_spec(f"strict@bs{bs}", "draft-verify strict", bs))
-            elif kind == "relaxed":
+            elif kind == "relaxed" and bs in relaxed_bs:
                 for pair in args.relaxed.split(","):
                     beta, tau = pair.split(":")
                     specs.append(dv_spec(f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}", bs, int(beta), float(tau)))
@@ -344,28 +421,32 @@ def main(argv=None):
                 specs.append(dict(common, name=f"blockwise@bs{bs}", label="blockwise heads", decoding="blockwise",
                                   path=args.blockwise, beam=1, batch_size=bs, extra=["--decoding", "blockwise"]))
 
-    rows = []
-    n_expected = None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    progress = tqdm(specs, desc="benchmark", unit="decoder") if tqdm else specs
-    for spec in progress:
-        t0 = time.time()
-        res = launch_worker(spec)
-        n = res["sentences"]
-        n_expected = n if n_expected is None else n_expected
-        if n != n_expected:
-            raise RuntimeError(f"{spec['name']} decoded {n} sentences, expected {n_expected}")
+    progress = tqdm(total=len(specs), desc="benchmark", unit="decoder") if tqdm else None
+    # the filler that keeps a core busy once fewer rows than --jobs are left
+    filler = dict(common, decoding="autoregressive", path=args.verifier, beam=1, batch_size=1, extra=[])
+
+    def finished(spec, res):
         res.update({k: spec[k] for k in ("name", "label", "decoding", "batch_size")})
         res.update(score(res["text"], raw_ref, tok_ref, args.detok_lang or args.tgt))
-        res["sent_per_s"] = n / res["seconds"]
-        res["ms_per_sent"] = 1000.0 * res["seconds"] / n
-        logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']} ({time.time() - t0:.0f}s)")
+        res["sent_per_s"] = res["sentences"] / res["seconds"]
+        res["ms_per_sent"] = 1000.0 * res["seconds"] / res["sentences"]
+        logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']}")
         if "summary" in res:
             logger.info(f"  {res['summary']}")
-        rows.append(res)
+        if progress is not None:
+            progress.update()
+
+    rows = run_specs(specs, args.jobs, filler, on_result=finished)
+    if progress is not None:
+        progress.close()
+    n_expected = rows[0]["sentences"] if rows else None
+    for r in rows:
+        if r["sentences"] != n_expected:
+            raise RuntimeError(f"{r['name']} decoded {r['sentences']} sentences, {rows[0]['name']} {n_expected}")
 
     by_name = {r["name"]: r for r in rows}
     # identical-to-beam-1 compares with the beam-1 row of the same batch size;
@@ -381,40 +462,46 @@ def main(argv=None):
     results = {
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "threads": args.threads,
+        "jobs": args.jobs,
         "sentences": n_expected,
         "rows": rows,
     }
 
     if args.sweeps:
+        def ms(res):
+            return 1000.0 * res["seconds"] / res["sentences"]
+
+        batch_sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
+        ks = [int(x) for x in args.sweep_ks.split(",")]
+        beta_tau = [(int(b), float(t)) for b in args.sweep_betas.split(",") for t in args.sweep_taus.split(",")]
+        sweep_specs = []
+        for bs in batch_sizes:
+            sweep_specs.append(dict(common, name=f"sweep-beam1@bs{bs}", decoding="autoregressive", path=args.verifier, beam=1, batch_size=bs, extra=[]))
+            sweep_specs.append(dv_spec(f"sweep-strict@bs{bs}", "strict", bs))
+        sweep_specs += [dv_spec(f"sweep-k{k}", "strict", 1, k=k) for k in ks]
+        sweep_specs += [dv_spec(f"sweep-b{beta}t{tau}", "relaxed", 1, beta, tau) for beta, tau in beta_tau]
+        logger.info(f"sweeps: {len(sweep_specs)} decoders")
+        res = iter(run_specs(sweep_specs, args.jobs, filler,
+                             on_result=lambda spec, r: logger.info(f"{spec['name']}: {ms(r):.2f} ms/sentence, Tok. {r['tok']:.2f}")))
         sweep = {"fairseq beam 1": {}, "draft-verify strict": {}}
-        for bs in [int(b) for b in args.sweep_batch_sizes.split(",")]:
-            for label, spec in (
-                ("fairseq beam 1", dict(common, name=f"sweep-beam1@bs{bs}", decoding="autoregressive", path=args.verifier, beam=1, batch_size=bs, extra=[])),
-                ("draft-verify strict", dv_spec(f"sweep-strict@bs{bs}", "strict", bs)),
-            ):
-                res = launch_worker(spec)
-                sweep[label][str(bs)] = 1000.0 * res["seconds"] / res["sentences"]
-                logger.info(f"batch sweep {label} bs {bs}: {sweep[label][str(bs)]:.2f} ms/sentence")
+        for bs in batch_sizes:
+            sweep["fairseq beam 1"][str(bs)] = ms(next(res))
+            sweep["draft-verify strict"][str(bs)] = ms(next(res))
         results["batch_sweep"] = sweep
-        ks = {"strict": {}}
-        for k in [int(x) for x in args.sweep_ks.split(",")]:
-            res = launch_worker(dv_spec(f"sweep-k{k}", "strict", 1, k=k))
-            ks["strict"][str(k)] = {"tok": res["tok"], "ms": 1000.0 * res["seconds"] / res["sentences"]}
-            logger.info(f"k sweep k={k}: Tok. {res['tok']:.2f}, {ks['strict'][str(k)]['ms']:.2f} ms/sentence")
-        results["k_sweep"] = ks
+        results["k_sweep"] = {"strict": {}}
+        for k in ks:
+            r = next(res)
+            results["k_sweep"]["strict"][str(k)] = {"tok": r["tok"], "ms": ms(r)}
         bt = {}
-        for beta in [int(x) for x in args.sweep_betas.split(",")]:
-            bt[f"beta={beta}"] = {}
-            for tau in [float(x) for x in args.sweep_taus.split(",")]:
-                res = launch_worker(dv_spec(f"sweep-b{beta}t{tau}", "relaxed", 1, beta, tau))
-                sc = score(res["text"], raw_ref, tok_ref, args.detok_lang or args.tgt)
-                bt[f"beta={beta}"][_fmt(tau)] = {"tok": res["tok"], "ms": 1000.0 * res["seconds"] / res["sentences"], "sacrebleu": sc["sacrebleu"]}
-                logger.info(f"beta/tau sweep beta={beta} tau={tau}: Tok. {res['tok']:.2f}, BLEU {sc['sacrebleu']}")
+        for beta, tau in beta_tau:
+            r = next(res)
+            sc = score(r["text"], raw_ref, tok_ref, args.detok_lang or args.tgt)
+            bt.setdefault(f"beta={beta}", {})[_fmt(tau)] = {"tok": r["tok"], "ms": ms(r), "sacrebleu": sc["sacrebleu"]}
         results["beta_tau_sweep"] = bt
 
     table = markdown_table(rows)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(f"Command: `{results['command']}`\n\n{n_expected} sentences, {args.threads} thread(s) per decoder, warm-up of {args.warmup} sentences excluded.\n\n")
+        f.write(f"Command: `{results['command']}`\n\n{n_expected} sentences, {args.threads} thread(s) per decoder, warm-up of {args.warmup} sentences excluded, {load_note(args.jobs)}.\n\n")
         f.write(table + "\n\n")
         if rows:
             f.write(f"sacreBLEU signature: `{rows[0]['signature']}`\n")

@@ -20,13 +20,16 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
         H.cli("python"), H.ROOT / "scripts" / "benchmark.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
         "--verifier", ar_checkpoint, "--drafter", nat_checkpoint, "--blockwise", blockwise_checkpoint,
         "--rows", "beam5,beam1,strict,relaxed,blockwise", "--relaxed", "3:1", "--batch-sizes", "1,4",
+        "--relaxed-batch-sizes", "1", "--jobs", "2",
         "--raw-ref", raw_ref, "--detok-lang", "en", "--warmup", "5", "--out", out,
         "--sweeps", "--sweep-batch-sizes", "1,4", "--sweep-ks", "2,4", "--sweep-betas", "1,3", "--sweep-taus", "0,1",
     ])
     results = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in results["rows"]}
     for bs in (1, 4):
-        assert {f"{kind}@bs{bs}" for kind in ("beam5", "beam1", "strict", "b3t1", "blockwise")} <= set(rows)
+        assert {f"{kind}@bs{bs}" for kind in ("beam5", "beam1", "strict", "blockwise")} <= set(rows)
+    assert "b3t1@bs1" in rows and "b3t1@bs4" not in rows  # --relaxed-batch-sizes 1
+    assert results["jobs"] == 2
     assert results["sentences"] == H.SPLIT_SIZES["test"]
     for r in rows.values():
         assert r["sentences"] == H.SPLIT_SIZES["test"]
@@ -41,6 +44,7 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
     assert sum(int(n) * c for n, c in strict["histogram"].items()) == strict["out_tokens"]
 
     table = (out / "results.md").read_text()
+    assert "2 decoders at a time" in table
     assert "draft-verify strict" in table and "blockwise" in table
     hyp = (out / "hyp.strict@bs1.txt").read_text().splitlines()
     assert len(hyp) == H.SPLIT_SIZES["test"]

@@ -1,0 +1,92 @@
+"""The benchmark's row scheduler (scripts/benchmark.py run_specs), with fake
+worker processes: results keep the spec order, never more than ``jobs``
+processes run, and once no row is waiting every free slot runs the filler
+until the last row ends (so each row is timed under the same load)."""
+import importlib.util
+
+import pytest
+
+import specdec_helpers as H
+
+
+@pytest.fixture
+def benchmark(monkeypatch):
+    spec = importlib.util.spec_from_file_location("benchmark_script", H.ROOT / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.time, "sleep", lambda s: None)
+    return module
+
+
+class FakeWorkers:
+    """Each fake worker finishes after a given number of polls."""
+
+    def __init__(self, polls):
+        self.polls = polls  # spec name -> polls before done
+        self.alive = []
+        self.trace = []  # (rows alive, fillers alive) at every poll
+
+    def factory(self):
+        fake = self
+
+        class Worker:
+            def __init__(self, spec):
+                self.spec, self.left, self.closed = spec, fake.polls.get(spec["name"], 0), False
+                fake.alive.append(self)
+
+            def done(self):
+                rows = [w for w in fake.alive if not w.spec.get("filler")]
+                fake.trace.append((len(rows), len(fake.alive) - len(rows)))
+                self.left -= 1
+                return self.left < 0
+
+            def result(self):
+                self.close()
+                return {"name": self.spec["name"]}
+
+            def close(self):
+                if not self.closed:
+                    self.closed = True
+                    fake.alive.remove(self)
+
+        return Worker
+
+
+def test_rows_in_order_jobs_bound_and_filler_until_the_last_row(benchmark, monkeypatch):
+    fake = FakeWorkers({"a": 1, "b": 8, "c": 2, "d": 5})
+    monkeypatch.setattr(benchmark, "WorkerProcess", fake.factory())
+    specs = [{"name": n} for n in "abcd"]
+    seen = []
+    out = benchmark.run_specs(specs, jobs=2, filler={"name": "x"}, on_result=lambda s, r: seen.append(s["name"]))
+    assert [r["name"] for r in out] == list("abcd")
+    assert sorted(seen) == list("abcd")
+    assert all(rows + fillers <= 2 for rows, fillers in fake.trace)
+    # whenever a row is being timed, both slots are busy
+    assert all(rows + fillers == 2 for rows, fillers in fake.trace if rows > 0)
+    assert any(fillers > 0 for _, fillers in fake.trace)  # the last row had a filler beside it
+    assert fake.alive == []  # fillers stopped at the end
+
+
+def test_one_job_runs_rows_one_at_a_time_without_filler(benchmark, monkeypatch):
+    fake = FakeWorkers({"a": 3, "b": 1})
+    monkeypatch.setattr(benchmark, "WorkerProcess", fake.factory())
+    out = benchmark.run_specs([{"name": "a"}, {"name": "b"}], jobs=1, filler={"name": "x"})
+    assert [r["name"] for r in out] == ["a", "b"]
+    assert all(rows == 1 and fillers == 0 for rows, fillers in fake.trace)
+
+
+def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
+    fake = FakeWorkers({"a": 0, "b": 4})
+    Worker = fake.factory()
+
+    class Failing(Worker):
+        def result(self):
+            self.close()
+            if self.spec["name"] == "b":
+                raise RuntimeError("worker failed for b")
+            return {"name": self.spec["name"]}
+
+    monkeypatch.setattr(benchmark, "WorkerProcess", Failing)
+    with pytest.raises(RuntimeError, match="failed for b"):
+        benchmark.run_specs([{"name": "a"}, {"name": "b"}], jobs=2, filler={"name": "x"})
+    assert fake.alive == []
