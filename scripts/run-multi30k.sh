@@ -33,12 +33,13 @@ stage_prepare() {
 }
 
 stage_verifier() {
-  train verifier "$VERIFIER_MINUTES" "$DATA/bin" "${VERIFIER_ARGS[@]}"
+  OMP_NUM_THREADS=$VERIFIER_THREADS MKL_NUM_THREADS=$VERIFIER_THREADS \
+    train verifier "$VERIFIER_MINUTES" "$DATA/bin" "${VERIFIER_ARGS[@]}"
 }
 
 stage_distill() {
-  log "distill: beam $DISTILL_BEAM over train and valid, ${DISTILL_SHARDS:-2} shards in parallel"
-  BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 \
+  log "distill: beam $DISTILL_BEAM ${DISTILL_GEN_ARGS} over train and valid, ${DISTILL_SHARDS:-2} shards in parallel"
+  BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 EXTRA_GEN_ARGS=$DISTILL_GEN_ARGS \
     bash "$HERE/scripts/distill.sh" "$OUT/verifier/checkpoint_best.pt" "$DATA/bin" "$DATA/bpe" "$OUT/distill" "$SRC" "$TGT"
 }
 
@@ -94,11 +95,11 @@ stage_benchmark() {
   if [ -f "$OUT/blockwise/checkpoint_best.pt" ]; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt" --rows beam5,beam1,strict,relaxed,blockwise)
   fi
-  log "benchmark: 1,000 test sentences, every decoder (results in $OUT/benchmark)"
+  log "benchmark: 1,000 test sentences, every decoder, $BENCH_JOBS at a time (results in $OUT/benchmark)"
   "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" "${extra[@]}" \
     --verifier "$OUT/verifier/checkpoint_best.pt" --drafter "$OUT/drafter/checkpoint_selected.pt" \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
-    --out "$OUT/benchmark" ${BENCH_ARGS:-}
+    --out "$OUT/benchmark" --jobs "$BENCH_JOBS" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
 }
 
 for group in "${STAGES[@]}"; do
