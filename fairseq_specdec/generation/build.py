@@ -8,7 +8,7 @@ import os
 
 from fairseq import checkpoint_utils
 
-from ..models.specdec_nat import dictionary_fingerprint
+from ..models.specdec_nat import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
 from .drafters import BlockwiseHeadsDrafter, NATBlockDrafter, SourceCopyDrafter
 from .speculative import SpeculativeGenerator
@@ -62,18 +62,6 @@ def load_drafter(task, path: str, like):
     return drafter.to(device=param.device, dtype=param.dtype).eval()
 
 
-def check_drafter_dictionary(task, drafter, source: str) -> None:
-    expected = dictionary_fingerprint(task.target_dictionary)
-    found = int(drafter.dictionary_fingerprint)
-    if found != expected:
-        raise ValueError(
-            f"the drafter ({source}) was trained with a different target dictionary than "
-            f"the one in {task.cfg.data!r} that the verifier uses; drafter and verifier "
-            "must share one dictionary (train the drafter on data binarized with the "
-            "verifier's dict files)"
-        )
-
-
 def _split_models(task, models):
     drafters = [m for m in models if getattr(m, "is_block_drafter", False)]
     verifiers = [m for m in models if not getattr(m, "is_block_drafter", False)]
@@ -99,7 +87,10 @@ def _nat_drafter(task, verifier, drafters, acceptance):
         raise ValueError(
             "--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
         )
-    check_drafter_dictionary(task, model, source)
+    # drafters built in-process never pass through load_state_dict's check
+    check_same_dictionary(
+        model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
+    )
     block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
     drafter = NATBlockDrafter(model, verifier, with_scores=acceptance.uses_draft_scores)
     shared = ", sharing the verifier's encoder" if drafter.shares_encoder else ""

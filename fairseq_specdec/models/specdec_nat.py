@@ -53,6 +53,17 @@ def dictionary_fingerprint(dictionary) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def check_same_dictionary(drafter_fingerprint, verifier_fingerprint, drafter: str) -> None:
+    """Refuse a drafter whose target dictionary is not the verifier's (same
+    symbols in the same order), naming the drafter and the fix."""
+    if int(drafter_fingerprint) != int(verifier_fingerprint):
+        raise ValueError(
+            f"{drafter} was trained with a different target dictionary than the "
+            "verifier's: drafter and verifier must share one dictionary (binarize "
+            "the drafter's data with the verifier's dict files)"
+        )
+
+
 @dataclass
 class SpecDecNATConfig(TransformerConfig):
     src_embedding_copy: bool = field(
@@ -112,12 +123,8 @@ class SpecDecNATModel(TransformerModel):
         """Refuse weights trained with another dictionary before any size
         mismatch can hide the reason."""
         saved = state_dict.get("dictionary_fingerprint")
-        if saved is not None and int(saved) != int(self.dictionary_fingerprint):
-            raise ValueError(
-                "this specdec_nat checkpoint was trained with a different target dictionary "
-                "than the one loaded now (the verifier's): drafter and verifier must share "
-                "one dictionary (binarize the drafter's data with the verifier's dict files)"
-            )
+        if saved is not None:
+            check_same_dictionary(saved, self.dictionary_fingerprint, "this specdec_nat checkpoint")
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     @property
