@@ -210,6 +210,7 @@ def batches(task, split, batch_size):
         max_sentences=batch_size,
         required_batch_size_multiple=1,
         ignore_invalid_inputs=False,
+        disable_iterator_cache=True,  # fairseq would return the first call's batching again
     ).next_epoch_itr(shuffle=False)
     return list(itr)
 

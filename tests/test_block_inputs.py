@@ -149,3 +149,25 @@ def test_single_token_rows():
 def test_block_size_must_be_positive():
     with pytest.raises(ValueError):
         make_block_inputs(TARGET, PAD, MASK, k=0)
+
+
+def test_sentence_draws_cut_a_sentence_the_same_in_any_batch():
+    """Validation cuts depend on the sentence id only, not on its batch."""
+    ids = torch.tensor([10, 11, 12])
+    whole = make_block_inputs(TARGET, PAD, MASK, 3, draws=bi.sentence_draws(ids))
+    # rows 12 and 10 alone, in another order and with less padding
+    sub = make_block_inputs(TARGET[[2, 0]], PAD, MASK, 3, draws=bi.sentence_draws(ids[[2, 0]]))
+    assert sub.prefix_lengths.tolist() == whole.prefix_lengths[[2, 0]].tolist()
+    # no random state is consumed
+    torch.manual_seed(0)
+    a = torch.rand(1)
+    torch.manual_seed(0)
+    make_block_inputs(TARGET, PAD, MASK, 3, draws=bi.sentence_draws(ids))
+    assert torch.equal(torch.rand(1), a)
+
+
+def test_sentence_draws_spread_evenly_over_consecutive_ids():
+    u = bi.sentence_draws(torch.arange(1000))
+    assert ((u >= 0) & (u < 1)).all()
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert counts.min() >= 80 and counts.max() <= 120  # a cut at every prefix length, about equally often

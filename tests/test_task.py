@@ -121,3 +121,27 @@ def verifier_like_model(toy_bin):
     _, cfg = H.train_args_namespace(toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, "--cpu")
     task = tasks.setup_task(cfg.task)
     return task.build_model(cfg.model)
+
+
+def test_validation_cuts_do_not_depend_on_the_batching(toy_bin, tiny_drafter, monkeypatch):
+    """valid_step cuts every sentence by its id: two batchings of the valid
+    split give each sentence the same block inputs (fairseq-train and
+    fairseq-validate batch differently)."""
+    from fairseq.tasks.translation import TranslationTask
+
+    model, task, _ = tiny_drafter
+    task.load_dataset("valid")
+    seen = {}
+
+    def record(self, sample, model, criterion):
+        for sid, prev in zip(sample["id"].tolist(), sample["net_input"]["prev_output_tokens"]):
+            seen.setdefault(sid, []).append(prev[prev.ne(task.tgt_dict.pad())].tolist())
+        return 0.0, 1, {}
+
+    monkeypatch.setattr(TranslationTask, "valid_step", record)  # the model's loss is not needed
+    for bsz in (3, 16):
+        for sample in H.batches(task, "valid", bsz):
+            task.valid_step(sample, model, None)
+    assert seen and all(len(v) == 2 for v in seen.values())
+    assert len({len(H.batches(task, "valid", b)) for b in (3, 16)}) == 2  # two batchings indeed
+    assert all(a == b for a, b in seen.values())

@@ -13,13 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from .block_inputs import make_block_inputs
+from .block_inputs import make_block_inputs, sentence_draws
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +159,14 @@ class DraftVerifyTask(TranslationTask):
     def train_block_size(self) -> int:
         return self.cfg.block_size if self.cfg.block_size is not None else DEFAULT_BLOCK_SIZE
 
-    def add_block_inputs(self, sample, model, generator=None):
+    def add_block_inputs(self, sample, model, generator=None, draws=None):
         """Block-mask the targets of ``sample`` for a block drafter (a fresh
-        random cut every call); other models get ``sample`` unchanged."""
+        random cut every call, unless ``draws`` fixes them; see
+        :func:`make_block_inputs`); other models get ``sample`` unchanged."""
         if not getattr(model, "is_block_drafter", False) or sample is None or "target" not in sample:
             return sample
         block = make_block_inputs(
-            sample["target"], self.tgt_dict.pad(), model.mask_idx, self.train_block_size, generator
+            sample["target"], self.tgt_dict.pad(), model.mask_idx, self.train_block_size, generator, draws
         )
         net_input = dict(sample["net_input"])
         net_input["prev_output_tokens"] = block.prev_output_tokens
@@ -179,11 +178,10 @@ class DraftVerifyTask(TranslationTask):
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
 
     def valid_step(self, sample, model, criterion):
-        # the same cuts at every validation, so that epochs are comparable
-        generator = None
-        if getattr(model, "is_block_drafter", False) and sample is not None and "id" in sample:
-            generator = torch.Generator().manual_seed(int(sample["id"].sum()) + 1)
-        sample = self.add_block_inputs(sample, model, generator)
+        # each sentence is cut by its id: the same cuts at every validation
+        # (epochs are comparable) and in fairseq-validate, whatever the batching
+        draws = sentence_draws(sample["id"]) if sample is not None and "id" in sample else None
+        sample = self.add_block_inputs(sample, model, draws=draws)
         return super().valid_step(sample, model, criterion)
 
     def is_training_dataset(self, dataset) -> bool:
