@@ -44,8 +44,11 @@ logger = logging.getLogger("benchmark")
 
 
 # --------------------------------------------------------------------------- worker
-def run_worker(spec: Dict) -> Dict:
-    """Decode the test set with one configuration; returns timings and hypotheses."""
+def load_decoder(spec: Dict):
+    """Models, task and generator of one configuration, exactly as
+    ``fairseq-generate`` builds them, with threads pinned.  Returns
+    ``(task, models, generator, batches)``; ``batches()`` yields the test set
+    (its first ``spec["limit"]`` sentences) in fairseq's batch order."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -88,6 +91,12 @@ def run_worker(spec: Dict) -> Dict:
             seen += len(sample["id"])
             yield sample
 
+    return task, models, generator, batches
+
+
+def run_worker(spec: Dict) -> Dict:
+    """Decode the test set with one configuration; returns timings and hypotheses."""
+    task, models, generator, batches = load_decoder(spec)
     if spec.get("filler"):  # load for an idle core: decode until killed, report nothing
         while True:
             for sample in batches():
@@ -233,7 +242,7 @@ def score(text: Dict[str, str], raw_ref: List[str], tok_ref: List[str], lang: st
     out = {"sacrebleu": round(res.score, 2), "signature": str(bleu.get_signature())}
     if tok_ref:
         tok_hyp = [h.replace("@@ ", "") for h in hyp_bpe]
-        tb = sacrebleu.metrics.BLEU(tokenize="none")
+        tb = sacrebleu.metrics.BLEU(tokenize="none", force=True)  # tokenized on purpose: no warning
         out["tok_bleu"] = round(tb.corpus_score(tok_hyp, [[tok_ref[i] for i in ids]]).score, 2)
     return out
 
@@ -304,7 +313,7 @@ def make_plots(results: Dict, out_dir: str) -> List[str]:
 def load_note(jobs: int) -> str:
     if jobs <= 1:
         return "one decoder at a time"
-    return f"{jobs} decoders at a time (every row timed while the other {jobs - 1} slot(s) decode too)"
+    return f"{jobs} decoders at a time (each row timed while {jobs - 1} other decoder(s) ran beside it)"
 
 
 def _fmt(x: float) -> str:

@@ -54,3 +54,29 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
     for name in ("speedup-distribution.png", "latency-vs-batch.png", "tok-vs-k.png", "tok-vs-beta-tau.png"):
         assert os.path.getsize(out / name) > 1000, name
     assert "draft-verify strict" in proc.stdout  # the table is printed too
+
+
+def test_profile_script_accounts_for_every_millisecond(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
+    """scripts/profile-draft-verify.py: per decoder, the components and
+    "other" add up to the total; iterations and decoder steps are counted."""
+    out = tmp_path / "profile.json"
+    proc = H.run([
+        H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+        "--verifier", ar_checkpoint, "--drafter", nat_checkpoint, "--limit", "20", "--warmup", "3", "--json", out,
+    ])
+    rows = json.loads(out.read_text())["rows"]
+    for decoder in ("fairseq beam 1", "draft-verify strict"):
+        mine = [r for r in rows if r["decoder"] == decoder]
+        total = next(r for r in mine if r["component"] == "total")
+        assert total["calls"] == 20
+        parts = [r for r in mine if r["component"] != "total"]
+        assert sum(r["ms_per_sentence"] for r in parts) == pytest.approx(total["ms_per_sentence"])
+        assert all(r["ms_per_sentence"] >= 0 for r in parts)
+    names = {r["component"].split(" (")[0] for r in rows}
+    assert {"encoder", "decoder step", "verifier encoder", "drafter pass", "verifier pass"} <= names
+    dv = {r["component"].split(" (")[0]: r for r in rows if r["decoder"] == "draft-verify strict"}
+    # one drafter pass and one verifier pass per iteration ("other" counts iterations)
+    assert dv["drafter pass"]["calls"] <= dv["verifier pass"]["calls"] == dv["other"]["calls"]
+    greedy = {r["component"].split(" (")[0]: r for r in rows if r["decoder"] == "fairseq beam 1"}
+    assert greedy["decoder step"]["calls"] > greedy["encoder"]["calls"] == 20
+    assert "| draft-verify strict | verifier pass" in proc.stdout

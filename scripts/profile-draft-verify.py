@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Where decoding time goes: strict draft-verify against fairseq's greedy
+decoder, component by component (the breakdown of paper 000, Table 18).
+
+Both decoders are built as ``fairseq-generate`` builds them (scripts/benchmark.py
+``load_decoder``), with threads pinned, and decode the same sentences at
+batch 1 after a warm-up.  Each component is timed around its call:
+
+* greedy (``SequenceGenerator``, ``--beam 1``): encoder, decoder step (one
+  token, vocabulary projection and log-softmax included), and everything else
+  (search bookkeeping);
+* draft-verify: verifier encoder, drafter encoder (absent when the drafter
+  shares the verifier's), drafter pass (prefix + k masks, projection),
+  verifier pass (k + 1 tokens over the KV cache), KV-cache rollback and row
+  removal, and everything else (acceptance, bookkeeping, host transfers).
+
+"other" is the decoder's total time minus its timed components.
+
+Example (the `make demo` models):
+    scripts/profile-draft-verify.py --data runs/multi30k.en-de/distill/bin \\
+        --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt \\
+        --drafter runs/multi30k.en-de/drafter/checkpoint_selected.pt --limit 200
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import load_decoder  # noqa: E402
+
+
+class Timers:
+    """Wall-clock milliseconds and call counts of wrapped methods."""
+
+    def __init__(self):
+        self.ms = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.enabled = False
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[name] += (time.perf_counter() - t0) * 1000.0
+                self.calls[name] += 1
+
+        setattr(obj, attr, timed)
+
+
+def profile(spec, components, warmup: int):
+    """Decode with ``spec`` (the first ``warmup`` sentences once untimed,
+    then all of them timed); ``components(generator)`` yields (object,
+    method, name) to time.  Returns (total ms, sentences, output tokens, timers)."""
+    task, models, generator, batches = load_decoder(spec)
+    timers = Timers()
+    for obj, attr, name in components(generator):
+        timers.wrap(obj, attr, name)
+    done = 0
+    for sample in batches():  # warm-up, not timed
+        if done >= warmup:
+            break
+        task.inference_step(generator, models, sample)
+        done += len(sample["id"])
+    timers.enabled = True
+    total, sentences, tokens = 0.0, 0, 0
+    for sample in batches():
+        t0 = time.perf_counter()
+        out = task.inference_step(generator, models, sample)
+        total += (time.perf_counter() - t0) * 1000.0
+        sentences += len(out)
+        tokens += sum(len(hyps[0]["tokens"]) for hyps in out)
+    return total, sentences, tokens, timers
+
+
+def greedy_components(generator):
+    yield generator.model, "forward_encoder", "encoder"
+    yield generator.model, "forward_decoder", "decoder step (1 token)"
+
+
+def draft_verify_components(generator):
+    yield generator.verifier, "encode", "verifier encoder"
+    yield generator.drafter, "start", "drafter encoder"
+    yield generator.drafter, "draft", f"drafter pass (prefix + {generator.block_size} masks)"
+    yield generator.verifier, "forward", f"verifier pass (up to {generator.block_size + 1} tokens)"
+    yield generator.verifier, "rollback", "KV-cache rollback"
+    yield generator.verifier, "reorder", "row removal"
+
+
+def rows_of(label, total, sentences, timers, iterations):
+    rows = []
+    for name in timers.ms:
+        rows.append(dict(decoder=label, component=name, calls=timers.calls[name],
+                         ms_per_call=timers.ms[name] / max(timers.calls[name], 1),
+                         ms_per_sentence=timers.ms[name] / sentences, share=timers.ms[name] / total))
+    other = total - sum(timers.ms.values())
+    rows.append(dict(decoder=label, component=f"other ({iterations} iterations)", calls=iterations,
+                     ms_per_call=other / max(iterations, 1), ms_per_sentence=other / sentences,
+                     share=other / total))
+    rows.append(dict(decoder=label, component="total", calls=sentences, ms_per_call=total / sentences,
+                     ms_per_sentence=total / sentences, share=1.0))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="binarized data directory")
+    parser.add_argument("--verifier", required=True, help="verifier checkpoint")
+    parser.add_argument("--drafter", required=True, help="specdec_nat drafter checkpoint")
+    parser.add_argument("--src", default="en")
+    parser.add_argument("--tgt", default="de")
+    parser.add_argument("--subset", default="test")
+    parser.add_argument("--limit", type=int, default=200, help="sentences to decode (the first in fairseq's batch order)")
+    parser.add_argument("--warmup", type=int, default=10, help="sentences decoded before timing")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--block-size", type=int, default=None, help="k (default: the drafter's)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+
+    common = dict(data=args.data, src=args.src, tgt=args.tgt, subset=args.subset, threads=args.threads,
+                  limit=args.limit, batch_size=1, beam=1)
+    greedy = dict(common, path=args.verifier, extra=["--decoding", "autoregressive"])
+    dv = dict(common, path=f"{args.verifier}:{args.drafter}", extra=["--decoding", "draft-verify"]
+              + (["--block-size", str(args.block_size)] if args.block_size else []))
+
+    def calls(timers, prefix):
+        return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]
+
+    total, n, _, timers = profile(greedy, greedy_components, args.warmup)
+    rows = rows_of("fairseq beam 1", total, n, timers, calls(timers, "decoder step"))
+    total, n, tokens, timers = profile(dv, draft_verify_components, args.warmup)
+    iterations = calls(timers, "verifier pass")
+    rows += rows_of("draft-verify strict", total, n, timers, iterations)
+
+    print(f"batch 1, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; "
+          f"draft-verify: {tokens} output tokens in {iterations} iterations (Tok. {tokens / max(iterations, 1):.2f})\n")
+    print("| decoder | component | calls | ms/call | ms/sentence | share |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['decoder']} | {r['component']} | {r['calls']} | {r['ms_per_call']:.2f} | "
+              f"{r['ms_per_sentence']:.2f} | {100 * r['share']:.0f}% |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command=" ".join(sys.argv), threads=args.threads, sentences=n, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
