@@ -14,7 +14,9 @@ batch 1 after a warm-up.  Each component is timed around its call:
   verifier pass (k + 1 tokens over the KV cache), KV-cache rollback and row
   removal, and everything else (acceptance, bookkeeping, host transfers).
 
-"other" is the decoder's total time minus its timed components.
+"other" is the decoder's total time minus its timed components.  Rows
+marked "of which" are parts of the row above them (the vocabulary
+projections) and are not subtracted twice.
 
 Example (the `make demo` models):
     scripts/profile-draft-verify.py --data runs/multi30k.en-de/distill/bin \\
@@ -38,10 +40,12 @@ class Timers:
     def __init__(self):
         self.ms = defaultdict(float)
         self.calls = defaultdict(int)
+        self.names = []  # in the order they were wrapped
         self.enabled = False
 
     def wrap(self, obj, attr: str, name: str) -> None:
         fn = getattr(obj, attr)
+        self.names.append(name)
 
         def timed(*args, **kwargs):
             if not self.enabled:
@@ -63,7 +67,8 @@ def profile(spec, components, warmup: int):
     task, models, generator, batches = load_decoder(spec)
     timers = Timers()
     for obj, attr, name in components(generator):
-        timers.wrap(obj, attr, name)
+        if obj is not None and getattr(obj, attr, None) is not None:
+            timers.wrap(obj, attr, name)
     done = 0
     for sample in batches():  # warm-up, not timed
         if done >= warmup:
@@ -81,27 +86,35 @@ def profile(spec, components, warmup: int):
     return total, sentences, tokens, timers
 
 
+SUB = "of which: "
+
+
 def greedy_components(generator):
     yield generator.model, "forward_encoder", "encoder"
     yield generator.model, "forward_decoder", "decoder step (1 token)"
+    yield generator.model.models[0].decoder, "output_layer", f"{SUB}vocabulary projection (1 row)"
 
 
 def draft_verify_components(generator):
+    k = generator.block_size
     yield generator.verifier, "encode", "verifier encoder"
     yield generator.drafter, "start", "drafter encoder"
-    yield generator.drafter, "draft", f"drafter pass (prefix + {generator.block_size} masks)"
-    yield generator.verifier, "forward", f"verifier pass (up to {generator.block_size + 1} tokens)"
+    yield generator.drafter, "draft", f"drafter pass (prefix + {k} masks)"
+    decoder = getattr(getattr(generator.drafter, "model", None), "decoder", None)
+    yield decoder, "output_layer", f"{SUB}drafter vocabulary projection ({k} rows)"
+    yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
+    yield generator.verifier, "_projection", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
     yield generator.verifier, "rollback", "KV-cache rollback"
     yield generator.verifier, "reorder", "row removal"
 
 
 def rows_of(label, total, sentences, timers, iterations):
     rows = []
-    for name in timers.ms:
+    for name in [n for n in timers.names if n in timers.ms]:
         rows.append(dict(decoder=label, component=name, calls=timers.calls[name],
                          ms_per_call=timers.ms[name] / max(timers.calls[name], 1),
                          ms_per_sentence=timers.ms[name] / sentences, share=timers.ms[name] / total))
-    other = total - sum(timers.ms.values())
+    other = total - sum(ms for name, ms in timers.ms.items() if not name.startswith(SUB))
     rows.append(dict(decoder=label, component=f"other ({iterations} iterations)", calls=iterations,
                      ms_per_call=other / max(iterations, 1), ms_per_sentence=other / sentences,
                      share=other / total))
