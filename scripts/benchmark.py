@@ -392,6 +392,11 @@ def main(argv=None):
     common = dict(data=args.data, src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit, warmup=args.warmup)
     k_args = ["--block-size", str(args.block_size)] if args.block_size else []
 
+    def ar_spec(name, label, bs, beam):
+        """fairseq's own SequenceGenerator on the verifier."""
+        return dict(common, name=name, label=label, decoding="autoregressive", path=args.verifier,
+                    beam=beam, batch_size=bs, extra=[])
+
     def dv_spec(name, label, bs, beta=1, tau=0.0, k=None):
         extra = ["--decoding", "draft-verify", "--verify-beta", str(beta), "--verify-tau", str(tau),
                  "--verify-score", args.verify_score]
@@ -411,12 +416,11 @@ def main(argv=None):
     relaxed_bs = [int(b) for b in args.relaxed_batch_sizes.split(",")] if args.relaxed_batch_sizes else batch_sizes
     specs = []
     for bs in batch_sizes:
-        ar = dict(common, decoding="autoregressive", path=args.verifier, batch_size=bs, extra=[])
         for kind in wanted:
             if kind == "beam5":
-                specs.append(dict(ar, name=f"beam5@bs{bs}", label="fairseq beam 5", beam=5))
+                specs.append(ar_spec(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5))
             elif kind == "beam1":
-                specs.append(dict(ar, name=f"beam1@bs{bs}", label="fairseq beam 1", beam=1))
+                specs.append(ar_spec(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
             elif kind == "strict":
                 specs.append(dv_spec(f"strict@bs{bs}", "draft-verify strict", bs))
             elif kind == "relaxed" and bs in relaxed_bs:
@@ -424,8 +428,8 @@ def main(argv=None):
                     beta, tau = pair.split(":")
                     specs.append(dv_spec(f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}", bs, int(beta), float(tau)))
             elif kind == "input-guided":
-                specs.append(dict(ar, name=f"input-guided@bs{bs}", label="input-guided", decoding="input-guided", beam=1,
-                                  extra=["--decoding", "input-guided"]))
+                specs.append(dict(ar_spec(f"input-guided@bs{bs}", "input-guided", bs, beam=1),
+                                  decoding="input-guided", extra=["--decoding", "input-guided"]))
             elif kind == "blockwise":
                 specs.append(dict(common, name=f"blockwise@bs{bs}", label="blockwise heads", decoding="blockwise",
                                   path=args.blockwise, beam=1, batch_size=bs, extra=["--decoding", "blockwise"]))
@@ -436,7 +440,7 @@ def main(argv=None):
         tqdm = None
     progress = tqdm(total=len(specs), desc="benchmark", unit="decoder") if tqdm else None
     # the filler that keeps a core busy once fewer rows than --jobs are left
-    filler = dict(common, decoding="autoregressive", path=args.verifier, beam=1, batch_size=1, extra=[])
+    filler = ar_spec("filler", "filler", 1, beam=1)
 
     def finished(spec, res):
         res.update({k: spec[k] for k in ("name", "label", "decoding", "batch_size")})
@@ -480,12 +484,12 @@ def main(argv=None):
         def ms(res):
             return 1000.0 * res["seconds"] / res["sentences"]
 
-        batch_sizes = [int(b) for b in args.sweep_batch_sizes.split(",")]
+        sweep_bs = [int(b) for b in args.sweep_batch_sizes.split(",")]
         ks = [int(x) for x in args.sweep_ks.split(",")]
         beta_tau = [(int(b), float(t)) for b in args.sweep_betas.split(",") for t in args.sweep_taus.split(",")]
         sweep_specs = []
-        for bs in batch_sizes:
-            sweep_specs.append(dict(common, name=f"sweep-beam1@bs{bs}", decoding="autoregressive", path=args.verifier, beam=1, batch_size=bs, extra=[]))
+        for bs in sweep_bs:
+            sweep_specs.append(ar_spec(f"sweep-beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
             sweep_specs.append(dv_spec(f"sweep-strict@bs{bs}", "strict", bs))
         sweep_specs += [dv_spec(f"sweep-k{k}", "strict", 1, k=k) for k in ks]
         sweep_specs += [dv_spec(f"sweep-b{beta}t{tau}", "relaxed", 1, beta, tau) for beta, tau in beta_tau]
@@ -493,7 +497,7 @@ def main(argv=None):
         res = iter(run_specs(sweep_specs, args.jobs, filler,
                              on_result=lambda spec, r: logger.info(f"{spec['name']}: {ms(r):.2f} ms/sentence, Tok. {r['tok']:.2f}")))
         sweep = {"fairseq beam 1": {}, "draft-verify strict": {}}
-        for bs in batch_sizes:
+        for bs in sweep_bs:
             sweep["fairseq beam 1"][str(bs)] = ms(next(res))
             sweep["draft-verify strict"][str(bs)] = ms(next(res))
         results["batch_sweep"] = sweep
