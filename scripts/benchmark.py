@@ -310,6 +310,17 @@ def make_plots(results: Dict, out_dir: str) -> List[str]:
     return written
 
 
+def int_list(parser, option: str, value: str) -> List[int]:
+    """``"1,32"`` -> ``[1, 32]``; a clear error for anything but positive integers."""
+    try:
+        values = [int(v) for v in value.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"{option} takes comma-separated positive integers, got {value!r}")
+    return values
+
+
 def load_note(jobs: int) -> str:
     if jobs <= 1:
         return "one decoder at a time"
@@ -382,6 +393,9 @@ def main(argv=None):
     for path in (args.verifier, args.drafter, args.blockwise, args.raw_ref):
         if path and not os.path.exists(path):
             parser.error(f"no such file: {path}")
+    for name in ("threads", "jobs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if "beam5" not in args.rows or "beam1" not in args.rows:
         parser.error("--rows must include beam5 and beam1 (every speedup is a ratio to them)")
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stdout)
@@ -412,8 +426,12 @@ def main(argv=None):
         if kind in wanted and not getattr(args, needs):
             parser.error(f"--rows {kind} needs --{needs}")
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    relaxed_bs = [int(b) for b in args.relaxed_batch_sizes.split(",")] if args.relaxed_batch_sizes else batch_sizes
+    batch_sizes = int_list(parser, "--batch-sizes", args.batch_sizes)
+    relaxed_bs = int_list(parser, "--relaxed-batch-sizes", args.relaxed_batch_sizes) if args.relaxed_batch_sizes else batch_sizes
+    if "relaxed" in wanted and not set(relaxed_bs) <= set(batch_sizes):
+        parser.error(f"--relaxed-batch-sizes {args.relaxed_batch_sizes} must be among --batch-sizes {args.batch_sizes}")
+    sweep_bs = int_list(parser, "--sweep-batch-sizes", args.sweep_batch_sizes)
+    ks = int_list(parser, "--sweep-ks", args.sweep_ks)
     specs = []
     for bs in batch_sizes:
         for kind in wanted:
@@ -484,8 +502,6 @@ def main(argv=None):
         def ms(res):
             return 1000.0 * res["seconds"] / res["sentences"]
 
-        sweep_bs = [int(b) for b in args.sweep_batch_sizes.split(",")]
-        ks = [int(x) for x in args.sweep_ks.split(",")]
         beta_tau = [(int(b), float(t)) for b in args.sweep_betas.split(",") for t in args.sweep_taus.split(",")]
         sweep_specs = []
         for bs in sweep_bs:

@@ -138,6 +138,12 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=None, help="k (default: the drafter's)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
+    for path in (args.verifier, args.drafter):
+        if not os.path.exists(path):
+            parser.error(f"no such file: {path}")
+    for name, least in (("limit", 1), ("threads", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
 
     common = dict(data=args.data, src=args.src, tgt=args.tgt, subset=args.subset, threads=args.threads,
                   limit=args.limit, batch_size=1, beam=1)

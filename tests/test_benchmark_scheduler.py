@@ -90,3 +90,39 @@ def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
     with pytest.raises(RuntimeError, match="failed for b"):
         benchmark.run_specs([{"name": "a"}, {"name": "b"}], jobs=2, filler={"name": "x"})
     assert fake.alive == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--batch-sizes", "1,x"], "--batch-sizes takes comma-separated positive integers"),
+    (["--batch-sizes", "1", "--relaxed-batch-sizes", "32"], "must be among --batch-sizes"),
+    (["--sweeps", "--sweep-ks", "0"], "--sweep-ks takes comma-separated positive integers"),
+])
+def test_bad_benchmark_options_fail_before_any_decoding(benchmark, monkeypatch, tmp_path, capsys, args, message):
+    """A clear error, not a traceback or (for --jobs 0) a loop that never starts a row."""
+    for name in ("verifier.pt", "drafter.pt", "ref.txt"):
+        (tmp_path / name).write_text("x")
+    started = []
+    monkeypatch.setattr(benchmark, "run_specs", lambda *a, **k: started.append(a) or [])
+    argv = ["--data", str(tmp_path), "--verifier", str(tmp_path / "verifier.pt"), "--drafter", str(tmp_path / "drafter.pt"),
+            "--raw-ref", str(tmp_path / "ref.txt"), "--out", str(tmp_path / "out")] + args
+    with pytest.raises(SystemExit):
+        benchmark.main(argv)
+    assert message in capsys.readouterr().err
+    assert not started
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--limit", "0"], "--limit must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--drafter", "missing.pt"], "no such file: missing.pt"),
+])
+def test_bad_profile_options_fail_before_loading(tmp_path, args, message):
+    (tmp_path / "verifier.pt").write_text("x")
+    (tmp_path / "drafter.pt").write_text("x")
+    proc = H.run([
+        H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", tmp_path,
+        "--verifier", tmp_path / "verifier.pt", "--drafter", tmp_path / "drafter.pt",
+    ] + args, check=False)
+    assert proc.returncode == 2 and message in proc.stderr
