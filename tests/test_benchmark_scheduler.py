@@ -1,21 +1,18 @@
-"""The benchmark's row scheduler (scripts/benchmark.py run_specs), with fake
-worker processes: results keep the spec order, never more than ``jobs``
+"""The benchmark's row scheduler (fairseq_specdec.bench.workers.run_specs), with
+fake worker processes: results keep the spec order, never more than ``jobs``
 processes run, and once no row is waiting every free slot runs the filler
 until the last row ends (so each row is timed under the same load)."""
-import importlib.util
-
 import pytest
 
 import specdec_helpers as H
+from fairseq_specdec.bench import cli, workers
 
 
 @pytest.fixture
 def benchmark(monkeypatch):
-    spec = importlib.util.spec_from_file_location("benchmark_script", H.ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module.time, "sleep", lambda s: None)
-    return module
+    """The scheduler module, its polling sleep made instant."""
+    monkeypatch.setattr(workers.time, "sleep", lambda s: None)
+    return workers
 
 
 class FakeWorkers:
@@ -58,7 +55,8 @@ def test_rows_in_order_jobs_bound_and_filler_until_the_last_row(benchmark, monke
     specs = [{"name": n} for n in "abcd"]
     seen = []
     out = benchmark.run_specs(specs, jobs=2, filler={"name": "x"}, on_result=lambda s, r: seen.append(s["name"]))
-    assert [r["name"] for r in out] == list("abcd")
+    assert list(out) == list("abcd")
+    assert [r["name"] for r in out.values()] == list("abcd")
     assert sorted(seen) == list("abcd")
     assert all(rows + fillers <= 2 for rows, fillers in fake.trace)
     # whenever a row is being timed, both slots are busy
@@ -71,7 +69,7 @@ def test_one_job_runs_rows_one_at_a_time_without_filler(benchmark, monkeypatch):
     fake = FakeWorkers({"a": 3, "b": 1})
     monkeypatch.setattr(benchmark, "WorkerProcess", fake.factory())
     out = benchmark.run_specs([{"name": "a"}, {"name": "b"}], jobs=1, filler={"name": "x"})
-    assert [r["name"] for r in out] == ["a", "b"]
+    assert list(out) == ["a", "b"] and [r["name"] for r in out.values()] == ["a", "b"]
     assert all(rows == 1 and fillers == 0 for rows, fillers in fake.trace)
 
 
@@ -98,17 +96,29 @@ def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
     (["--batch-sizes", "1,x"], "--batch-sizes takes comma-separated positive integers"),
     (["--batch-sizes", "1", "--relaxed-batch-sizes", "32"], "must be among --batch-sizes"),
     (["--sweeps", "--sweep-ks", "0"], "--sweep-ks takes comma-separated positive integers"),
+    (["--sweeps", "--sweep-taus", "1,x"], "--sweep-taus takes comma-separated numbers"),
+    (["--relaxed", "3-1"], "--relaxed takes comma-separated beta:tau pairs"),
+    (["--limit", "0"], "--limit must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--rows", "beam5,beam1,nope"], "unknown --rows ['nope']; choose from beam5, beam1, strict, relaxed, draft-verify, input-guided, blockwise"),
+    (["--rows", "beam1,strict"], "--rows must include beam5 and beam1"),
+    (["--rows", "beam5,beam1,blockwise"], "--rows blockwise needs --blockwise"),
+    (["--drafter", "DRAFTER"], "2 drafters without a label; give each drafter its own label"),
+    (["--drafter", "x=DRAFTER", "--drafter", "x=DRAFTER"], "2 drafters labelled 'x'"),
+    (["--drafter", "y=missing.pt"], "no such file: missing.pt"),
+    (["--user-dir", "no-such-plugin"], "--user-dir no-such-plugin: no such directory"),
 ])
 def test_bad_benchmark_options_fail_before_any_decoding(benchmark, monkeypatch, tmp_path, capsys, args, message):
     """A clear error, not a traceback or (for --jobs 0) a loop that never starts a row."""
     for name in ("verifier.pt", "drafter.pt", "ref.txt"):
         (tmp_path / name).write_text("x")
     started = []
-    monkeypatch.setattr(benchmark, "run_specs", lambda *a, **k: started.append(a) or [])
+    monkeypatch.setattr(benchmark, "run_specs", lambda *a, **k: started.append(a) or {})
     argv = ["--data", str(tmp_path), "--verifier", str(tmp_path / "verifier.pt"), "--drafter", str(tmp_path / "drafter.pt"),
-            "--raw-ref", str(tmp_path / "ref.txt"), "--out", str(tmp_path / "out")] + args
+            "--raw-ref", str(tmp_path / "ref.txt"), "--out", str(tmp_path / "out")]
+    argv += [a.replace("DRAFTER", str(tmp_path / "drafter.pt")) for a in args]
     with pytest.raises(SystemExit):
-        benchmark.main(argv)
+        cli.main(argv)
     assert message in capsys.readouterr().err
     assert not started
 

@@ -1,0 +1,302 @@
+"""Measure draft-then-verify decoding against fairseq's own decoders, in one run.
+
+Every row decodes the whole test set in its own worker process (so peak memory
+is per decoder) through the same code path as ``fairseq-generate``:
+``task.build_generator`` on the ``draft_verify`` task.  Threads are pinned
+(default 1), model loading and a warm-up on the first sentences are excluded
+from the timings.  Rows: fairseq ``--beam 5``, ``--beam 1``, strict
+draft-verify and a grid of relaxed settings (for every ``--drafter``), and any
+registered decoding (``input-guided``, ``blockwise``, or one a ``--user-dir``
+plugin registers), at batch 1 (latency) and batch 32 (throughput).  Each row
+reports sentences/s, ms/sentence, speedups against beam 5 and beam 1 of the
+same batch size, Tok., iterations, sacreBLEU (detokenized, with its signature)
+and tokenized BLEU, peak memory (and peak GPU memory on cuda), and whether the
+output is token-identical to ``--beam 1`` at that batch size.
+
+Outputs in ``--out``: ``results.json``, ``results.md`` (the table), hypothesis
+files, and PNG plots (per-sentence speedup distribution, latency vs batch
+size, Tok. vs k and vs beta/tau).
+
+With ``--jobs 2`` two decoders are timed at once (one per core, one thread
+each); a discarded beam-1 decoder fills a free slot until the last row ends,
+so every row is timed with the other core busy.
+
+``--drafter`` may be given more than once as ``LABEL=PATH``: every drafter gets
+its own strict and relaxed rows (``strict-LABEL@bs1``, ``b3t1-LABEL@bs1``,
+labelled ``draft-verify strict (LABEL)``) and its own sweep series.
+
+Example (the Multi30k demo models):
+    scripts/benchmark.py --data runs/multi30k.en-de/distill/bin --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt \\
+        --drafter runs/multi30k.en-de/drafter/checkpoint_selected.pt --tok-ref data/multi30k.en-de/tok/test_2016_flickr.de \\
+        --raw-ref ../shared/data/multi30k/test_2016_flickr.de.gz --out runs/multi30k.en-de/benchmark --jobs 2
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Dict, List, Optional
+
+from . import workers
+from .plots import make_plots
+from .scoring import read_lines, score
+from .specs import BUILTIN_ROWS, RowSpecs, parse_drafters, resolve_rows
+
+logger = logging.getLogger("benchmark")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def int_list(parser, option: str, value: str) -> List[int]:
+    """``"1,32"`` -> ``[1, 32]``; a clear error for anything but positive integers."""
+    try:
+        values = [int(v) for v in value.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"{option} takes comma-separated positive integers, got {value!r}")
+    return values
+
+
+def float_list(parser, option: str, value: str) -> List[float]:
+    try:
+        return [float(v) for v in value.split(",")]
+    except ValueError:
+        parser.error(f"{option} takes comma-separated numbers, got {value!r}")
+
+
+def relaxed_grid(parser, value: str) -> List[tuple]:
+    """``"3:1,5:3"`` -> ``[("3", "1"), ("5", "3")]`` (beta an integer, tau a number)."""
+    grid = [tuple(pair.split(":")) for pair in value.split(",")]
+    try:
+        for beta, tau in grid:
+            int(beta), float(tau)
+    except ValueError:
+        parser.error(f"--relaxed takes comma-separated beta:tau pairs such as 3:1, got {value!r}")
+    return grid
+
+
+def load_note(jobs: int) -> str:
+    if jobs <= 1:
+        return "one decoder at a time"
+    return f"{jobs} decoders at a time (each row timed while {jobs - 1} other decoder(s) ran beside it)"
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when torch sees a GPU, else cpu."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no GPU (torch.cuda.is_available() is False)")
+    return device
+
+
+def load_decodings(user_dir: Optional[str]) -> Dict:
+    """The registry of decodings once the plugin (and ``user_dir``, when given) is imported."""
+    import fairseq_specdec  # noqa: F401  (registers the plugin's decodings)
+    from fairseq_specdec.generation.registry import DECODINGS
+
+    if user_dir:
+        from fairseq.utils import import_user_module
+
+        import_user_module(argparse.Namespace(user_dir=user_dir))
+    return DECODINGS
+
+
+def markdown_table(rows: List[Dict]) -> str:
+    """The results table; a peak GPU memory column when the rows ran on cuda."""
+    gpu = any(r.get("peak_gpu_mb") is not None for r in rows)
+    head = ("| decoder | batch | sent/s | ms/sent | vs beam 5 | vs beam 1 | Tok. | iterations "
+            "| sacreBLEU | tok. BLEU | peak MB |" + (" peak GPU MB |" if gpu else "") + " = beam 1 |")
+    lines = [head, "|" + "---|" * (13 if gpu else 12)]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['batch_size']} | {r['sent_per_s']:.1f} | {r['ms_per_sent']:.2f} "
+            f"| {r['speedup_vs_beam5']:.2f}x | {r['speedup_vs_beam1']:.2f}x | {r['tok']:.2f} | {r['iterations']} "
+            f"| {r['sacrebleu']:.2f} | {r.get('tok_bleu', float('nan')):.2f} | {r['peak_rss_mb']:.0f} "
+            + (f"| {r.get('peak_gpu_mb', float('nan')):.0f} " if gpu else "")
+            + f"| {r['identical_to_beam1']} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser(decodings) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--data", help="binarized data directory (fairseq-preprocess output)")
+    parser.add_argument("--verifier", help="verifier checkpoint (a fairseq transformer)")
+    parser.add_argument("--drafter", action="append", metavar="[LABEL=]PATH",
+                        help="specdec_nat drafter checkpoint (rows strict, relaxed, and decodings that take a "
+                             "drafter); repeat as LABEL=PATH for several drafters: rows strict-LABEL@bs1, ...")
+    parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
+    parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
+                        help=f"decoders to run: {', '.join(BUILTIN_ROWS)} (strict and relaxed: draft-verify with every "
+                             f"--drafter), or a registered decoding ({', '.join(decodings) or 'none registered'}, and any "
+                             "a --user-dir plugin registers); beam5 and beam1 are always needed for the ratios")
+    parser.add_argument("--user-dir", help="a fairseq plugin directory imported before the rows are built and given "
+                                           "to fairseq as --user-dir (it should import fairseq_specdec), e.g. one "
+                                           "that registers more decodings")
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="where the decoders run (default auto: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--raw-ref", help="raw (untokenized) reference file, .gz allowed, for sacreBLEU")
+    parser.add_argument("--tok-ref", help="tokenized reference file for tokenized BLEU (optional)")
+    parser.add_argument("--src", default="en")
+    parser.add_argument("--tgt", default="de")
+    parser.add_argument("--detok-lang", default=None, help="Moses detokenizer language (default: --tgt)")
+    parser.add_argument("--out", required=False, default="benchmark-results")
+    parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per decoder (default 1)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="decoders timed at the same time, each in its own process with --threads threads "
+                             "(default 1: one at a time). With more, no core idles while a row is timed "
+                             "(a discarded beam-1 decoder fills free slots), so every row sees the same load")
+    parser.add_argument("--batch-sizes", default="1,32", help="batch sizes of the main table")
+    parser.add_argument("--block-size", type=int, default=None, help="k for draft-verify (default: the drafter's)")
+    parser.add_argument("--relaxed", default="3:1,3:3,5:1,5:3", help="beta:tau grid of relaxed settings")
+    parser.add_argument("--relaxed-batch-sizes", default=None,
+                        help="batch sizes of the relaxed rows (default: every --batch-sizes)")
+    parser.add_argument("--verify-score", default="verifier", choices=["verifier", "drafter"])
+    parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences in fairseq's batch order (shortest sources first)")
+    parser.add_argument("--warmup", type=int, default=20, help="sentences decoded before timing")
+    parser.add_argument("--sweeps", action="store_true", help="also run the batch-size, k and beta/tau sweeps for the plots")
+    parser.add_argument("--sweep-batch-sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--sweep-ks", default="2,4,6,8,10,15,20,25")
+    parser.add_argument("--sweep-betas", default="1,3,5")
+    parser.add_argument("--sweep-taus", default="0,1,2,3,5")
+    return parser
+
+
+def check_args(parser, args) -> None:
+    """Every check that needs no registry: refuse bad values before loading anything."""
+    for name in ("data", "verifier", "raw_ref"):
+        if not getattr(args, name):
+            parser.error(f"--{name.replace('_', '-')} is required")
+    try:
+        args.drafters = parse_drafters(args.drafter)
+    except ValueError as e:
+        parser.error(str(e))
+    for path in [args.verifier, args.blockwise, args.raw_ref] + [d.path for d in args.drafters]:
+        if path and not os.path.exists(path):
+            parser.error(f"no such file: {path}")
+    if args.user_dir and not os.path.isdir(args.user_dir):
+        parser.error(f"--user-dir {args.user_dir}: no such directory")
+    for name, least in (("threads", 1), ("jobs", 1), ("limit", 1), ("warmup", 0)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            parser.error(f"--{name} must be at least {least}, got {value}")
+
+
+def write_outputs(args, results: Dict, rows: List[Dict]) -> None:
+    n_expected = results["sentences"]
+    table = markdown_table(rows)
+    where = f", on {results['device']}" if results["device"] != "cpu" else ""
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(f"Command: `{results['command']}`\n\n{n_expected} sentences, {args.threads} thread(s) per decoder{where}, "
+                f"warm-up of {args.warmup} sentences excluded, {load_note(args.jobs)}.\n\n")
+        f.write(table + "\n\n")
+        if rows:
+            f.write(f"sacreBLEU signature: `{rows[0]['signature']}`\n")
+    for r in rows:
+        with open(os.path.join(args.out, f"hyp.{r['name']}.txt"), "w") as f:
+            for i in sorted(int(k) for k in r["text"]):
+                f.write(r["text"][str(i)] + "\n")
+    slim = dict(results, rows=[{k: v for k, v in r.items() if k not in ("tokens", "text")} for r in rows])
+    plots = make_plots(results, args.out)
+    slim["plots"] = plots
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(slim, f, indent=1)
+    print(table)
+    print(f"\nresults: {os.path.join(args.out, 'results.json')}; plots: {', '.join(plots) or 'none'}")
+
+
+def compare_with_beams(rows: List[Dict]) -> None:
+    """Speedups against beam 5 and beam 1, and identity to beam 1, each at the row's batch size."""
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        bs = r["batch_size"]
+        b5, b1 = by_name[f"beam5@bs{bs}"], by_name[f"beam1@bs{bs}"]
+        r["speedup_vs_beam5"] = b5["seconds"] / r["seconds"]
+        r["speedup_vs_beam1"] = b1["seconds"] / r["seconds"]
+        r["identical_to_beam1"] = all(r["tokens"][k] == b1["tokens"][k] for k in b1["tokens"])
+        r["differs_from_beam1"] = sum(r["tokens"][k] != b1["tokens"][k] for k in b1["tokens"])
+
+
+def main(argv=None):
+    parser = build_parser(load_decodings(None))
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    args.user_dir = os.path.abspath(args.user_dir) if args.user_dir else None
+    decodings = load_decodings(args.user_dir)
+    try:
+        device = resolve_device(args.device)
+        wanted = resolve_rows(args.rows, decodings, args.drafters, args.blockwise)
+    except ValueError as e:
+        parser.error(str(e))
+    batch_sizes = int_list(parser, "--batch-sizes", args.batch_sizes)
+    relaxed_bs = int_list(parser, "--relaxed-batch-sizes", args.relaxed_batch_sizes) if args.relaxed_batch_sizes else batch_sizes
+    if "relaxed" in wanted and not set(relaxed_bs) <= set(batch_sizes):
+        parser.error(f"--relaxed-batch-sizes {args.relaxed_batch_sizes} must be among --batch-sizes {args.batch_sizes}")
+    grid = relaxed_grid(parser, args.relaxed)
+    sweep_bs = int_list(parser, "--sweep-batch-sizes", args.sweep_batch_sizes)
+    ks = int_list(parser, "--sweep-ks", args.sweep_ks)
+    beta_tau = [(b, t) for b in int_list(parser, "--sweep-betas", args.sweep_betas)
+                for t in float_list(parser, "--sweep-taus", args.sweep_taus)]
+    if args.sweeps and not args.drafters:
+        parser.error("--sweeps needs --drafter")
+
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+                        level=logging.INFO, stream=sys.stdout)
+    os.makedirs(args.out, exist_ok=True)
+    raw_ref = read_lines(args.raw_ref)
+    tok_ref = read_lines(args.tok_ref) if args.tok_ref else []
+    lang = args.detok_lang or args.tgt
+
+    common = dict(data=args.data, src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit,
+                  warmup=args.warmup, device=device, user_dir=args.user_dir)
+    build = RowSpecs(common, args.verifier, args.drafters, args.blockwise, decodings,
+                     verify_score=args.verify_score, block_size=args.block_size)
+    specs = build.main_rows(wanted, batch_sizes, relaxed_bs, grid)
+    filler = build.filler()
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    progress = tqdm(total=len(specs), desc="benchmark", unit="decoder") if tqdm else None
+
+    def finished(spec, res):
+        res.update({k: spec[k] for k in ("name", "label", "decoding", "drafter", "batch_size")})
+        res.update(score(res["text"], raw_ref, tok_ref, lang))
+        res["sent_per_s"] = res["sentences"] / res["seconds"]
+        res["ms_per_sent"] = 1000.0 * res["seconds"] / res["sentences"]
+        logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']}")
+        if "summary" in res:
+            logger.info(f"  {res['summary']}")
+        if progress is not None:
+            progress.update()
+
+    rows = list(workers.run_specs(specs, args.jobs, filler, on_result=finished).values())
+    if progress is not None:
+        progress.close()
+    n_expected = rows[0]["sentences"] if rows else None
+    for r in rows:
+        if r["sentences"] != n_expected:
+            raise RuntimeError(f"{r['name']} decoded {r['sentences']} sentences, {rows[0]['name']} {n_expected}")
+    compare_with_beams(rows)
+
+    results = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "device": device,
+        "threads": args.threads,
+        "jobs": args.jobs,
+        "sentences": n_expected,
+        "rows": rows,
+    }
+    if args.sweeps:
+        sweep_specs = build.sweep_rows(sweep_bs, ks, beta_tau)
+        logger.info(f"sweeps: {len(sweep_specs)} decoders")
+        done = workers.run_specs(sweep_specs, args.jobs, filler, on_result=lambda spec, r: logger.info(
+            f"{spec['name']}: {1000.0 * r['seconds'] / r['sentences']:.2f} ms/sentence, Tok. {r['tok']:.2f}"))
+        results.update(build.sweep_results(done, sweep_bs, ks, beta_tau,
+                                           bleu=lambda r: score(r["text"], raw_ref, tok_ref, lang)["sacrebleu"]))
+    write_outputs(args, results, rows)

@@ -1,0 +1,206 @@
+"""Row specs: what each benchmark row decodes, named uniquely.
+
+A row spec is a JSON-able dict (the worker process reads it): ``name``
+(unique: results are matched to specs by it), ``label`` (the table's
+decoder column), ``decoding``, ``drafter`` (the drafter's label, "" for
+none or an unlabelled one), ``path``, ``beam``, ``batch_size``, ``extra``
+(more fairseq-generate options) and what every row shares (data, languages,
+threads, limit, warm-up, device, user dir).
+
+Row kinds (``--rows``): ``beam5`` and ``beam1`` (fairseq's own
+SequenceGenerator on the verifier), ``strict`` and ``relaxed`` (decoding
+``draft-verify`` with every ``--drafter``, strict and the beta:tau grid), and
+every decoding in the registry (:mod:`fairseq_specdec.generation.registry`),
+read when the rows are built.  A decoding's ``bench_model`` says which
+checkpoint its rows decode with: the verifier, the verifier then each
+drafter (one row per drafter), or the ``--blockwise`` checkpoint.
+"""
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+AUTOREGRESSIVE = "autoregressive"
+DRAFT_VERIFY = "draft-verify"
+#: row kinds of the benchmark itself; every registered decoding name is a row kind too
+BUILTIN_ROWS = ("beam5", "beam1", "strict", "relaxed")
+#: where a decoding's rows take their --path from
+BENCH_MODELS = ("verifier", "verifier+drafter", "blockwise")
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def fmt_number(x: float) -> str:
+    """``1.0`` -> ``"1"``, ``0.5`` -> ``"0.5"`` (keys of the sweeps)."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class DrafterArg:
+    """One ``--drafter [LABEL=]PATH``."""
+
+    label: str
+    path: str
+
+    @classmethod
+    def parse(cls, value: str) -> "DrafterArg":
+        label, sep, path = value.partition("=")
+        if sep and LABEL.fullmatch(label):
+            return cls(label, path)
+        return cls("", value)
+
+    @property
+    def suffix(self) -> str:
+        """What the drafter's rows add to their names: ``strict-LABEL@bs1``."""
+        return f"-{self.label}" if self.label else ""
+
+    def describe(self, text: str) -> str:
+        return f"{text} ({self.label})" if self.label else text
+
+
+def parse_drafters(values: Optional[Sequence[str]]) -> List[DrafterArg]:
+    """Every ``--drafter`` value; ``ValueError`` if two would name their rows alike."""
+    drafters = [DrafterArg.parse(v) for v in values or []]
+    labels = [d.label for d in drafters]
+    for label in set(labels):
+        if labels.count(label) > 1:
+            raise ValueError(
+                f"--drafter: {labels.count(label)} drafters " + (f"labelled {label!r}" if label else "without a label")
+                + "; give each drafter its own label (--drafter LABEL=PATH)"
+            )
+    return drafters
+
+
+def row_kinds(decodings: Mapping) -> List[str]:
+    return list(BUILTIN_ROWS) + [name for name in decodings if name not in BUILTIN_ROWS]
+
+
+def resolve_rows(value: str, decodings: Mapping, drafters: Sequence[DrafterArg], blockwise: Optional[str]) -> List[str]:
+    """The row kinds of ``--rows`` (``draft-verify`` is ``strict``), checked
+    against the registry and the checkpoints given; ``ValueError`` names
+    what is wrong."""
+    wanted: List[str] = []
+    for kind in (r.strip() for r in value.split(",")):
+        kind = "strict" if kind == DRAFT_VERIFY else kind
+        if kind and kind not in wanted:
+            wanted.append(kind)
+    kinds = row_kinds(decodings)
+    unknown = [r for r in wanted if r not in kinds]
+    if unknown:
+        raise ValueError(f"unknown --rows {unknown}; choose from {', '.join(kinds)}")
+    if "beam5" not in wanted or "beam1" not in wanted:
+        raise ValueError("--rows must include beam5 and beam1 (every speedup is a ratio to them)")
+    for kind in wanted:
+        model = "verifier+drafter" if kind in ("strict", "relaxed") else _bench_model(decodings, kind)
+        if model == "verifier+drafter" and not drafters:
+            raise ValueError(f"--rows {kind} needs --drafter")
+        if model == "blockwise" and not blockwise:
+            raise ValueError(f"--rows {kind} needs --blockwise")
+    return wanted
+
+
+def _bench_model(decodings: Mapping, kind: str) -> Optional[str]:
+    if kind not in decodings:
+        return None
+    model = decodings[kind].bench_model
+    if model not in BENCH_MODELS:
+        raise ValueError(f"decoding {kind!r}: bench_model {model!r} is none of {', '.join(BENCH_MODELS)}")
+    return model
+
+
+class RowSpecs:
+    """Builds the row specs of one benchmark run."""
+
+    def __init__(self, common: Dict, verifier: str, drafters: Sequence[DrafterArg], blockwise: Optional[str],
+                 decodings: Mapping, verify_score: str = "verifier", block_size: Optional[int] = None):
+        self.common = common
+        self.verifier = verifier
+        self.drafters = list(drafters)
+        self.blockwise = blockwise
+        self.decodings = decodings
+        self.verify_score = verify_score
+        self.k_args = ["--block-size", str(block_size)] if block_size else []
+
+    def _spec(self, name, label, decoding, path, bs, beam=1, extra=(), drafter: Optional[DrafterArg] = None) -> Dict:
+        return dict(self.common, name=name, label=label, decoding=decoding, drafter=drafter.label if drafter else "",
+                    path=path, beam=beam, batch_size=bs, extra=list(extra))
+
+    def autoregressive(self, name: str, label: str, bs: int, beam: int) -> Dict:
+        """fairseq's own SequenceGenerator on the verifier."""
+        return self._spec(name, label, AUTOREGRESSIVE, self.verifier, bs, beam=beam)
+
+    def filler(self) -> Dict:
+        """The discarded beam-1 decoder that keeps a core busy once fewer rows than jobs are left."""
+        return self.autoregressive("filler", "filler", 1, beam=1)
+
+    def draft_verify(self, drafter: DrafterArg, name: str, label: str, bs: int,
+                     beta: int = 1, tau: float = 0.0, k: Optional[int] = None) -> Dict:
+        """Decoding draft-verify with ``drafter``; ``name`` and ``label`` get the drafter's label."""
+        extra = ["--decoding", DRAFT_VERIFY, "--verify-beta", str(beta), "--verify-tau", str(tau),
+                 "--verify-score", self.verify_score]
+        extra += ["--block-size", str(k)] if k else self.k_args
+        if DRAFT_VERIFY in self.decodings:
+            extra += list(self.decodings[DRAFT_VERIFY].bench_extra)
+        name, at, where = name.partition("@")
+        return self._spec(f"{name}{drafter.suffix}{at}{where}", drafter.describe(label), DRAFT_VERIFY,
+                          f"{self.verifier}:{drafter.path}", bs, extra=extra, drafter=drafter)
+
+    def registered(self, kind: str, bs: int) -> List[Dict]:
+        """The rows of registered decoding ``kind`` at batch size ``bs`` (one per drafter if it takes one)."""
+        decoding = self.decodings[kind]
+        extra = ["--decoding", decoding.name] + list(decoding.bench_extra)
+        model = _bench_model(self.decodings, kind)
+        if model == "verifier+drafter":
+            return [self._spec(f"{decoding.name}{d.suffix}@bs{bs}", d.describe(decoding.label), decoding.name,
+                               f"{self.verifier}:{d.path}", bs, extra=extra, drafter=d) for d in self.drafters]
+        path = self.blockwise if model == "blockwise" else self.verifier
+        return [self._spec(f"{decoding.name}@bs{bs}", decoding.label, decoding.name, path, bs, extra=extra)]
+
+    def main_rows(self, wanted: Sequence[str], batch_sizes: Sequence[int], relaxed_batch_sizes: Sequence[int],
+                  grid: Sequence[Tuple[str, str]]) -> List[Dict]:
+        specs = []
+        for bs in batch_sizes:
+            for kind in wanted:
+                if kind == "beam5":
+                    specs.append(self.autoregressive(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5))
+                elif kind == "beam1":
+                    specs.append(self.autoregressive(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
+                elif kind == "strict":
+                    specs += [self.draft_verify(d, f"strict@bs{bs}", "draft-verify strict", bs) for d in self.drafters]
+                elif kind == "relaxed":
+                    if bs in relaxed_batch_sizes:
+                        specs += [self.draft_verify(d, f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}",
+                                                    bs, int(beta), float(tau))
+                                  for d in self.drafters for beta, tau in grid]
+                else:
+                    specs += self.registered(kind, bs)
+        return specs
+
+    def sweep_rows(self, batch_sizes: Sequence[int], ks: Sequence[int], beta_tau: Sequence[Tuple[int, float]]) -> List[Dict]:
+        """Latency vs batch size (beam 1 and strict), Tok. vs k, Tok. vs beta/tau, for every drafter."""
+        specs = []
+        for bs in batch_sizes:
+            specs.append(self.autoregressive(f"sweep-beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
+            specs += [self.draft_verify(d, f"sweep-strict@bs{bs}", "strict", bs) for d in self.drafters]
+        for d in self.drafters:
+            specs += [self.draft_verify(d, f"sweep-k{k}", "strict", 1, k=k) for k in ks]
+            specs += [self.draft_verify(d, f"sweep-b{beta}t{tau}", "relaxed", 1, beta, tau) for beta, tau in beta_tau]
+        return specs
+
+    def sweep_results(self, results: Mapping[str, Dict], batch_sizes: Sequence[int], ks: Sequence[int],
+                      beta_tau: Sequence[Tuple[int, float]], bleu: Callable[[Dict], float]) -> Dict:
+        """``batch_sweep``, ``k_sweep`` and ``beta_tau_sweep`` of results.json,
+        each result taken by its spec's name; ``bleu(result)`` scores one."""
+        def ms(r):
+            return 1000.0 * r["seconds"] / r["sentences"]
+
+        batch = {"fairseq beam 1": {str(bs): ms(results[f"sweep-beam1@bs{bs}"]) for bs in batch_sizes}}
+        k_sweep, bt = {}, {}
+        for d in self.drafters:
+            batch[d.describe("draft-verify strict")] = {
+                str(bs): ms(results[f"sweep-strict{d.suffix}@bs{bs}"]) for bs in batch_sizes}
+            k_sweep[d.describe("strict")] = {
+                str(k): {"tok": r["tok"], "ms": ms(r)} for k in ks for r in [results[f"sweep-k{k}{d.suffix}"]]}
+            for beta, tau in beta_tau:
+                r = results[f"sweep-b{beta}t{tau}{d.suffix}"]
+                bt.setdefault(d.describe(f"beta={beta}"), {})[fmt_number(tau)] = {
+                    "tok": r["tok"], "ms": ms(r), "sacrebleu": bleu(r)}
+        return {"batch_sweep": batch, "k_sweep": k_sweep, "beta_tau_sweep": bt}

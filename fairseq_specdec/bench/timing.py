@@ -1,0 +1,93 @@
+"""Decode the test set with one configuration: warm-up (excluded), then the
+timed pass, whose statistics alone are reported."""
+import resource
+import time
+from typing import Callable, Dict, Iterator, Tuple
+
+from .loading import load_decoder
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What to call before reading the clock: waits for queued GPU work on cuda."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def warm_up(task, models, generator, batches, sentences: int) -> None:
+    """Decode the first ``sentences`` sentences once, untimed."""
+    done = 0
+    for sample in batches():
+        if done >= sentences:
+            break
+        task.inference_step(generator, models, sample)
+        done += len(sample["id"])
+
+
+def timed_batches(task, models, generator, batches, device: str = "cpu") -> Iterator[Tuple[Dict, list, float]]:
+    """``(sample, output, ms)`` of every batch, each ``inference_step`` timed
+    alone (on cuda with the GPU synchronized on both sides)."""
+    sync = synchronizer(device)
+    for sample in batches():
+        sync()
+        t0 = time.perf_counter()
+        out = task.inference_step(generator, models, sample)
+        sync()
+        yield sample, out, (time.perf_counter() - t0) * 1000.0
+
+
+def reset_statistics(generator) -> None:
+    """A fresh statistics object, so that the warm-up is not counted."""
+    if hasattr(generator, "stats"):
+        from fairseq_specdec.generation import SpecDecStats
+
+        generator.stats = SpecDecStats(name=generator.stats.name)
+
+
+def run_worker(spec: Dict) -> Dict:
+    """Decode the test set with one configuration; returns timings and hypotheses."""
+    task, models, generator, batches = load_decoder(spec)
+    if spec.get("filler"):  # load for an idle core: decode until killed, report nothing
+        while True:
+            for sample in batches():
+                task.inference_step(generator, models, sample)
+
+    device = spec.get("device", "cpu")
+    warm_up(task, models, generator, batches, spec.get("warmup", 20))
+    reset_statistics(generator)
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+    hyps, per_sentence_ms = {}, {}
+    start = time.perf_counter()
+    for sample, out, dt in timed_batches(task, models, generator, batches, device):
+        for i, sid in enumerate(sample["id"].tolist()):
+            hyps[sid] = out[i][0]["tokens"].tolist()
+            per_sentence_ms[sid] = dt / len(sample["id"])
+    total = time.perf_counter() - start
+    tgt_dict = task.target_dictionary
+    result = {
+        "seconds": total,
+        "sentences": len(hyps),
+        "tokens": {str(k): v for k, v in hyps.items()},
+        "text": {str(k): tgt_dict.string(v[:-1] if v and v[-1] == tgt_dict.eos() else v) for k, v in hyps.items()},
+        "ms": {str(k): v for k, v in per_sentence_ms.items()},
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+    if device == "cuda":
+        import torch
+
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    stats = getattr(generator, "stats", None)
+    if stats is not None:
+        # the timed pass only (the warm-up had its own statistics object)
+        result.update(tok=stats.mean_accepted, iterations=stats.iterations, out_tokens=stats.tokens,
+                      histogram={str(n): c for n, c in sorted(stats.histogram.items())}, summary=stats.summary())
+    else:  # autoregressive: one token per step
+        out_tokens = sum(len(v) for v in hyps.values())  # EOS included: one per decoder step
+        result.update(tok=1.0, iterations=out_tokens, out_tokens=out_tokens)
+    return result
