@@ -1,0 +1,194 @@
+"""Where decoding time goes: strict draft-verify against fairseq's greedy
+decoder, component by component (the breakdown of paper 000, Table 18).
+
+Both decoders are built as ``fairseq-generate`` builds them
+(:func:`fairseq_specdec.bench.loading.load_decoder`), with threads pinned, and
+decode the same sentences at batch 1 after a warm-up.  Each component is
+timed around its call:
+
+* greedy (``SequenceGenerator``, ``--beam 1``): encoder, decoder step (one
+  token, vocabulary projection and log-softmax included), and everything else
+  (search bookkeeping);
+* draft-verify: verifier encoder, drafter encoder (the drafter's start of a
+  batch: next to nothing when the drafter shares the verifier's encoder),
+  drafter pass (prefix + k masks, projection),
+  verifier pass (k + 1 tokens over the KV cache), KV-cache rollback and row
+  removal, and everything else (acceptance, bookkeeping, host transfers).
+
+"other" is the decoder's total time minus its timed components.  Rows
+marked "of which" are parts of the row above them (the vocabulary
+projections) and are not subtracted twice.  A component whose method does
+not exist, or that the decoder never called (renamed in the generator), stops
+the profile with its name, rather than leaving its time in "other" (only the
+KV-cache rollback and row removal may go uncalled).
+
+Example (the `make demo` models):
+    scripts/profile-draft-verify.py --data runs/multi30k.en-de/distill/bin \\
+        --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt \\
+        --drafter runs/multi30k.en-de/drafter/checkpoint_selected.pt --limit 200
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+from .loading import load_decoder
+from .timing import timed_batches, warm_up
+
+
+class MissingComponent(AttributeError):
+    """A component to time names a method that does not exist or is never called."""
+
+
+class Timers:
+    """Wall-clock milliseconds and call counts of wrapped methods."""
+
+    def __init__(self):
+        self.ms = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.names = []  # in the order they were wrapped
+        self.required = {}  # name -> "Owner.attr" of the components that must be called
+        self.enabled = False
+
+    def wrap(self, obj, attr: str, name: str, required: bool = True) -> None:
+        """Time every call of ``obj.attr`` as ``name``; :class:`MissingComponent`
+        naming the attribute if ``obj`` is None or has no callable ``attr``.
+        A ``required`` component must be called (see :meth:`check_called`)."""
+        fn = getattr(obj, attr, None) if obj is not None else None
+        owner = "None" if obj is None else type(obj).__name__
+        if not callable(fn):
+            raise MissingComponent(
+                f"cannot time '{name}': {owner} has no method {attr!r} (renamed? update the profiler's components)"
+            )
+        self.names.append(name)
+        if required:
+            self.required[name] = f"{owner}.{attr}"
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[name] += (time.perf_counter() - t0) * 1000.0
+                self.calls[name] += 1
+
+        setattr(obj, attr, timed)
+
+    def check_called(self) -> None:
+        """:class:`MissingComponent` naming every required component never called."""
+        idle = [f"'{name}' ({where})" for name, where in self.required.items() if not self.calls[name]]
+        if idle:
+            raise MissingComponent(
+                f"never called while decoding: {', '.join(idle)} (the decoder calls something else now? "
+                f"update the profiler's components)"
+            )
+
+
+def profile(spec, components, warmup: int):
+    """Decode with ``spec`` (the first ``warmup`` sentences once untimed,
+    then all of them timed); ``components(generator)`` yields (object,
+    method, name) to time.  Returns (total ms, sentences, output tokens, timers)."""
+    task, models, generator, batches = load_decoder(spec)
+    timers = Timers()
+    for component in components(generator):
+        timers.wrap(*component)
+    warm_up(task, models, generator, batches, warmup)
+    timers.enabled = True
+    total, sentences, tokens = 0.0, 0, 0
+    for _, out, ms in timed_batches(task, models, generator, batches):
+        total += ms
+        sentences += len(out)
+        tokens += sum(len(hyps[0]["tokens"]) for hyps in out)
+    timers.check_called()
+    return total, sentences, tokens, timers
+
+
+SUB = "of which: "
+
+
+def greedy_components(generator):
+    yield generator.model, "forward_encoder", "encoder"
+    yield generator.model, "forward_decoder", "decoder step (1 token)"
+    yield generator.model.models[0].decoder, "output_layer", f"{SUB}vocabulary projection (1 row)"
+
+
+def draft_verify_components(generator):
+    """(object, method, name[, required]) of the speculative loop's parts."""
+    k = generator.block_size
+    yield generator.verifier, "encode", "verifier encoder"
+    yield generator.drafter, "start_batch", "drafter encoder"
+    yield generator.drafter, "propose", f"drafter pass (prefix + {k} masks)"
+    decoder = getattr(getattr(generator.drafter, "model", None), "decoder", None)
+    yield decoder, "output_layer", f"{SUB}drafter vocabulary projection ({k} rows)"
+    yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
+    yield generator.verifier, "_projection", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
+    yield generator.verifier, "rollback", "KV-cache rollback", False
+    yield generator.verifier, "reorder", "row removal", False
+
+
+def rows_of(label, total, sentences, timers, iterations):
+    rows = []
+    for name in [n for n in timers.names if n in timers.ms]:
+        rows.append(dict(decoder=label, component=name, calls=timers.calls[name],
+                         ms_per_call=timers.ms[name] / max(timers.calls[name], 1),
+                         ms_per_sentence=timers.ms[name] / sentences, share=timers.ms[name] / total))
+    other = total - sum(ms for name, ms in timers.ms.items() if not name.startswith(SUB))
+    rows.append(dict(decoder=label, component=f"other ({iterations} iterations)", calls=iterations,
+                     ms_per_call=other / max(iterations, 1), ms_per_sentence=other / sentences,
+                     share=other / total))
+    rows.append(dict(decoder=label, component="total", calls=sentences, ms_per_call=total / sentences,
+                     ms_per_sentence=total / sentences, share=1.0))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="binarized data directory")
+    parser.add_argument("--verifier", required=True, help="verifier checkpoint")
+    parser.add_argument("--drafter", required=True, help="specdec_nat drafter checkpoint")
+    parser.add_argument("--src", default="en")
+    parser.add_argument("--tgt", default="de")
+    parser.add_argument("--subset", default="test")
+    parser.add_argument("--limit", type=int, default=200, help="sentences to decode (the first in fairseq's batch order)")
+    parser.add_argument("--warmup", type=int, default=10, help="sentences decoded before timing")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--block-size", type=int, default=None, help="k (default: the drafter's)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    for path in (args.verifier, args.drafter):
+        if not os.path.exists(path):
+            parser.error(f"no such file: {path}")
+    for name, least in (("limit", 1), ("threads", 1), ("warmup", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
+
+    common = dict(data=args.data, src=args.src, tgt=args.tgt, subset=args.subset, threads=args.threads,
+                  limit=args.limit, batch_size=1, beam=1, device="cpu")
+    greedy = dict(common, path=args.verifier, extra=["--decoding", "autoregressive"])
+    dv = dict(common, path=f"{args.verifier}:{args.drafter}", extra=["--decoding", "draft-verify"]
+              + (["--block-size", str(args.block_size)] if args.block_size else []))
+
+    def calls(timers, prefix):
+        return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]
+
+    total, n, _, timers = profile(greedy, greedy_components, args.warmup)
+    rows = rows_of("fairseq beam 1", total, n, timers, calls(timers, "decoder step"))
+    total, n, tokens, timers = profile(dv, draft_verify_components, args.warmup)
+    iterations = calls(timers, "verifier pass")
+    rows += rows_of("draft-verify strict", total, n, timers, iterations)
+
+    print(f"batch 1, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; "
+          f"draft-verify: {tokens} output tokens in {iterations} iterations (Tok. {tokens / max(iterations, 1):.2f})\n")
+    print("| decoder | component | calls | ms/call | ms/sentence | share |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['decoder']} | {r['component']} | {r['calls']} | {r['ms_per_call']:.2f} | "
+              f"{r['ms_per_sentence']:.2f} | {100 * r['share']:.0f}% |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command=" ".join(sys.argv), threads=args.threads, sentences=n, rows=rows), f, indent=1)
