@@ -1,0 +1,309 @@
+"""The benchmark harness as a package (fairseq_specdec.bench): rows built from
+the registry of decodings and from every labelled drafter, results matched to
+their specs by name, the device option, the profiler's loud failure on a
+renamed component; end to end: two labelled drafters give two sets of rows, a
+decoding registered by a --user-dir plugin runs as a row."""
+import json
+import random
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import specdec_helpers as H
+from fairseq_specdec.bench import cli, loading, plots, profiling, specs, workers
+from fairseq_specdec.generation.registry import DECODINGS, Decoding
+
+
+def builder(drafters=("",), decodings=None, blockwise="bw.pt"):
+    common = dict(data="bin", src="en", tgt="de", threads=1, limit=None, warmup=0, device="cpu", user_dir=None)
+    parsed = [specs.DrafterArg.parse(d if "=" in d or not d else f"{d}={d}.pt") if d else specs.DrafterArg("", "dr.pt")
+              for d in drafters]
+    return specs.RowSpecs(common, "ver.pt", parsed, blockwise, DECODINGS if decodings is None else decodings)
+
+
+# ---------------------------------------------------------------- drafters and row names
+def test_drafter_option_label_and_path():
+    assert specs.DrafterArg.parse("big=runs/d.pt") == specs.DrafterArg("big", "runs/d.pt")
+    assert specs.DrafterArg.parse("runs/d.pt") == specs.DrafterArg("", "runs/d.pt")
+    # '=' inside a path is no label
+    assert specs.DrafterArg.parse("runs/a=b/d.pt") == specs.DrafterArg("", "runs/a=b/d.pt")
+    with pytest.raises(ValueError, match="2 drafters labelled 'a'"):
+        specs.parse_drafters(["a=x.pt", "a=y.pt"])
+    assert [d.label for d in specs.parse_drafters(["x.pt", "a=y.pt"])] == ["", "a"]
+
+
+def test_two_labelled_drafters_give_two_sets_of_rows():
+    build = builder(drafters=("small", "big"))
+    rows = build.main_rows(["beam5", "beam1", "strict", "relaxed"], [1, 8], [1], [("3", "1")])
+    by_name = {r["name"]: r for r in rows}
+    assert len(by_name) == len(rows)
+    expected = {"beam5@bs1", "beam1@bs1", "beam5@bs8", "beam1@bs8"}
+    for label in ("small", "big"):
+        expected |= {f"strict-{label}@bs1", f"strict-{label}@bs8", f"b3t1-{label}@bs1"}
+        assert by_name[f"strict-{label}@bs1"]["label"] == f"draft-verify strict ({label})"
+        assert by_name[f"b3t1-{label}@bs1"]["label"] == f"draft-verify beta=3 tau=1 ({label})"
+        assert by_name[f"strict-{label}@bs8"]["path"] == f"ver.pt:{label}.pt"
+        assert by_name[f"b3t1-{label}@bs1"]["drafter"] == label
+        assert by_name[f"b3t1-{label}@bs1"]["extra"][:6] == ["--decoding", "draft-verify", "--verify-beta", "3",
+                                                            "--verify-tau", "1.0"]
+    assert set(by_name) == expected
+
+
+def test_unlabelled_drafter_keeps_todays_names():
+    rows = builder().main_rows(["beam5", "beam1", "strict", "relaxed"], [1], [1], [("3", "1"), ("5", "3")])
+    assert [r["name"] for r in rows] == ["beam5@bs1", "beam1@bs1", "strict@bs1", "b3t1@bs1", "b5t3@bs1"]
+    assert [r["label"] for r in rows][2:] == ["draft-verify strict", "draft-verify beta=3 tau=1",
+                                              "draft-verify beta=5 tau=3"]
+
+
+def test_rows_of_every_registered_decoding():
+    """Each bench_model puts its own checkpoint in --path; --decoding NAME and
+    bench_extra follow; a decoding that takes a drafter gets a row per drafter."""
+    decodings = {
+        "solo": Decoding(name="solo", help="", build=None, bench_label="solo decoder", bench_extra=["--x", "1"]),
+        "paired": Decoding(name="paired", help="", build=None, bench_model="verifier+drafter"),
+        "heads": Decoding(name="heads", help="", build=None, bench_model="blockwise"),
+    }
+    build = builder(drafters=("a", "b"), decodings=decodings)
+    wanted = specs.resolve_rows("beam5,beam1,solo,paired,heads", decodings, build.drafters, "bw.pt")
+    rows = {r["name"]: r for r in build.main_rows(wanted, [2], [2], [])}
+    assert rows["solo@bs2"]["path"] == "ver.pt" and rows["solo@bs2"]["label"] == "solo decoder"
+    assert rows["solo@bs2"]["extra"] == ["--decoding", "solo", "--x", "1"] and rows["solo@bs2"]["decoding"] == "solo"
+    assert rows["paired-a@bs2"]["path"] == "ver.pt:a.pt" and rows["paired-b@bs2"]["label"] == "paired (b)"
+    assert rows["heads@bs2"]["path"] == "bw.pt" and rows["heads@bs2"]["beam"] == 1
+    assert set(rows) == {"beam5@bs2", "beam1@bs2", "solo@bs2", "paired-a@bs2", "paired-b@bs2", "heads@bs2"}
+    with pytest.raises(ValueError, match="--rows heads needs --blockwise"):
+        specs.resolve_rows("beam5,beam1,heads", decodings, build.drafters, None)
+    with pytest.raises(ValueError, match="--rows paired needs --drafter"):
+        specs.resolve_rows("beam5,beam1,paired", decodings, [], "bw.pt")
+
+
+def test_registry_rows_of_the_plugin():
+    """The plugin's own decodings are rows, built from their registry entries."""
+    assert {"draft-verify", "input-guided", "blockwise"} <= set(specs.row_kinds(DECODINGS))
+    # draft-verify is the strict row
+    assert specs.resolve_rows("beam5,beam1,draft-verify,strict", DECODINGS, builder().drafters, None) == [
+        "beam5", "beam1", "strict"]
+    rows = {r["name"]: r for r in builder().main_rows(["input-guided", "blockwise"], [1], [1], [])}
+    assert rows["input-guided@bs1"]["label"] == DECODINGS["input-guided"].label
+    assert rows["input-guided@bs1"]["path"] == "ver.pt"
+    assert rows["blockwise@bs1"]["path"] == "bw.pt"
+    assert rows["blockwise@bs1"]["label"] == DECODINGS["blockwise"].label
+
+
+# ---------------------------------------------------------------- results matched by name
+def test_results_are_matched_to_specs_by_name_not_position(monkeypatch):
+    """Workers finish in another order than they started: every result still
+    lands under its own spec's name; two specs with one name are refused."""
+    polls = {"a": 6, "b": 0, "c": 3}
+
+    class Worker:
+        def __init__(self, spec):
+            self.spec, self.left = spec, polls[spec["name"]]
+
+        def done(self):
+            self.left -= 1
+            return self.left < 0
+
+        def result(self):
+            return {"from": self.spec["name"]}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(workers, "WorkerProcess", Worker)
+    monkeypatch.setattr(workers.time, "sleep", lambda s: None)
+    finished = []
+    out = workers.run_specs([{"name": n} for n in "abc"], jobs=3,
+                            on_result=lambda spec, r: finished.append((spec["name"], r["from"])))
+    assert [name for name, _ in finished] == ["b", "c", "a"]  # the order they ended
+    assert all(name == source for name, source in finished)
+    assert {name: r["from"] for name, r in out.items()} == {"a": "a", "b": "b", "c": "c"}
+    with pytest.raises(ValueError, match="two row specs are named 'a'"):
+        workers.run_specs([{"name": "a"}, {"name": "a"}], jobs=1)
+
+
+def test_sweep_results_read_each_result_by_its_name():
+    """Each sweep point comes from the result of the spec of that name, in
+    whatever order the results arrive, for every drafter."""
+    build = builder(drafters=("p", "q"))
+    batch_sizes, ks, beta_tau = [1, 4], [2, 6], [(1, 0.0), (3, 1.0)]
+    sweep = build.sweep_rows(batch_sizes, ks, beta_tau)
+    names = [s["name"] for s in sweep]
+    assert len(set(names)) == len(names)
+    assert {"sweep-beam1@bs4", "sweep-strict-p@bs4", "sweep-k6-q", "sweep-b3t1.0-p"} <= set(names)
+    # every result is distinguishable: its seconds and Tok. encode its position in the spec list
+    results = {s["name"]: {"seconds": (i + 1) / 1000.0, "sentences": 1, "tok": float(i), "idx": i}
+               for i, s in enumerate(sweep)}
+    shuffled = dict(random.Random(0).sample(sorted(results.items()), len(results)))
+    out = build.sweep_results(shuffled, batch_sizes, ks, beta_tau, bleu=lambda r: r["idx"])
+
+    def idx(name):
+        return names.index(name)
+
+    assert out["batch_sweep"]["fairseq beam 1"] == {str(bs): idx(f"sweep-beam1@bs{bs}") + 1.0 for bs in batch_sizes}
+    for label in ("p", "q"):
+        assert out["batch_sweep"][f"draft-verify strict ({label})"]["4"] == idx(f"sweep-strict-{label}@bs4") + 1.0
+        assert out["k_sweep"][f"strict ({label})"]["6"]["tok"] == idx(f"sweep-k6-{label}")
+        point = out["beta_tau_sweep"][f"beta=3 ({label})"]["1"]
+        assert point["tok"] == point["sacrebleu"] == idx(f"sweep-b3t1.0-{label}")
+    assert set(out["beta_tau_sweep"]) == {"beta=1 (p)", "beta=3 (p)", "beta=1 (q)", "beta=3 (q)"}
+
+
+def test_speedup_plot_takes_rows_of_every_drafter():
+    rows = [dict(name=f"{n}-{d}@bs1", batch_size=1, decoding="draft-verify", drafter=d)
+            for d in ("a", "b") for n in ("strict", "b3t1", "b3t3", "b5t1")]
+    rows.append(dict(name="strict-a@bs8", batch_size=8, decoding="draft-verify", drafter="a"))
+    assert [r["name"] for r in plots.speedup_rows(rows)] == [
+        "strict-a@bs1", "b3t1-a@bs1", "b3t3-a@bs1", "strict-b@bs1", "b3t1-b@bs1", "b3t3-b@bs1"]
+
+
+# ---------------------------------------------------------------- device
+def test_device_option():
+    spec = dict(data="bin", path="v.pt", batch_size=1, beam=1, src="en", tgt="de", extra=["--decoding", "x"])
+    assert "--cpu" in loading.generate_argv(dict(spec, device="cpu"))
+    assert "--cpu" not in loading.generate_argv(dict(spec, device="cuda"))
+    assert loading.generate_argv(spec)[-2:] == ["--decoding", "x"]
+    assert cli.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert cli.resolve_device("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: torch sees no GPU"):
+            cli.resolve_device("cuda")
+
+
+def test_table_has_a_gpu_memory_column_only_on_cuda():
+    row = dict(label="x", batch_size=1, sent_per_s=1.0, ms_per_sent=1.0, speedup_vs_beam5=1.0, speedup_vs_beam1=1.0,
+               tok=1.0, iterations=3, sacrebleu=1.0, peak_rss_mb=100.0, identical_to_beam1=True)
+    cpu = cli.markdown_table([row]).splitlines()
+    assert "peak GPU MB" not in cpu[0] and cpu[0].count("|") == cpu[2].count("|") == 13
+    gpu = cli.markdown_table([dict(row, peak_gpu_mb=512.0)]).splitlines()
+    assert "| peak MB | peak GPU MB | = beam 1 |" in gpu[0]
+    assert gpu[0].count("|") == gpu[1].count("|") == gpu[2].count("|") == 14
+    assert "| 100 | 512 | True |" in gpu[2]
+
+
+# ---------------------------------------------------------------- profiler
+def test_profiler_fails_loudly_on_a_missing_component():
+    """A renamed method is an error naming it, not a row silently dropped."""
+    class Verifier:
+        def encode(self):
+            pass
+
+    timers = profiling.Timers()
+    timers.wrap(Verifier(), "encode", "verifier encoder")
+    with pytest.raises(profiling.MissingComponent, match="cannot time 'KV-cache rollback': Verifier has no method 'rollback'"):
+        timers.wrap(Verifier(), "rollback", "KV-cache rollback")
+    with pytest.raises(profiling.MissingComponent, match="None has no method 'output_layer'"):
+        timers.wrap(None, "output_layer", "of which: projection")
+    # the draft-verify components of a generator whose verifier lost a method
+    fn = staticmethod(lambda *a: None)
+    verifier = type("CachedVerifier", (), dict(encode=fn, forward=fn, _projection=fn, reorder=fn))()
+    drafter = SimpleNamespace(start_batch=lambda: None, propose=lambda: None,
+                              model=SimpleNamespace(decoder=SimpleNamespace(output_layer=lambda: None)))
+    generator = SimpleNamespace(block_size=4, verifier=verifier, drafter=drafter)
+    timers = profiling.Timers()
+    with pytest.raises(profiling.MissingComponent, match="CachedVerifier has no method 'rollback'"):
+        for component in profiling.draft_verify_components(generator):
+            timers.wrap(*component)
+
+
+def test_profiler_fails_loudly_on_a_component_never_called():
+    """A method that still exists but that the decoder no longer calls."""
+    class Drafter:
+        def propose(self):
+            return 1
+
+        def draft(self):
+            return 2
+
+    drafter, timers = Drafter(), profiling.Timers()
+    timers.wrap(drafter, "propose", "drafter pass")
+    timers.wrap(drafter, "draft", "old drafter pass")
+    timers.wrap(drafter, "__init__", "optional part", False)
+    timers.enabled = True
+    assert drafter.propose() == 1
+    with pytest.raises(profiling.MissingComponent, match=r"never called while decoding: 'old drafter pass' \(Drafter.draft\)"):
+        timers.check_called()
+    drafter.draft()
+    timers.check_called()  # the optional part may stay uncalled
+    assert timers.calls["drafter pass"] == timers.calls["old drafter pass"] == 1
+
+
+# ---------------------------------------------------------------- end to end
+def bench(toy_bin, ar_checkpoint, out, *args):
+    raw_ref = Path(toy_bin).parent / "raw" / "test.tgt"
+    H.run([H.cli("python"), H.ROOT / "scripts" / "benchmark.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+           "--verifier", ar_checkpoint, "--raw-ref", raw_ref, "--detok-lang", "en", "--warmup", "3",
+           "--limit", "20", "--out", out, *args])
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_labelled_drafters_run_and_plot_end_to_end(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
+    """The same drafter twice under two labels: two sets of rows and sweep
+    series, each identical to beam 1 and to the other."""
+    out = tmp_path / "bench"
+    results = bench(toy_bin, ar_checkpoint, out, "--drafter", f"one={nat_checkpoint}", "--drafter", f"two={nat_checkpoint}",
+                    "--rows", "beam5,beam1,strict,relaxed", "--relaxed", "3:1", "--batch-sizes", "1", "--device", "cpu",
+                    "--sweeps", "--sweep-batch-sizes", "1,2", "--sweep-ks", "2", "--sweep-betas", "1,3", "--sweep-taus", "1")
+    assert results["device"] == "cpu"
+    rows = {r["name"]: r for r in results["rows"]}
+    assert set(rows) == {"beam5@bs1", "beam1@bs1", "strict-one@bs1", "strict-two@bs1", "b3t1-one@bs1", "b3t1-two@bs1"}
+    for label in ("one", "two"):
+        strict = rows[f"strict-{label}@bs1"]
+        assert strict["label"] == f"draft-verify strict ({label})" and strict["drafter"] == label
+        assert strict["identical_to_beam1"] and strict["sentences"] == 20
+        assert (out / f"hyp.strict-{label}@bs1.txt").read_text().count("\n") == 20
+        assert set(results["k_sweep"][f"strict ({label})"]) == {"2"}
+        assert set(results["batch_sweep"][f"draft-verify strict ({label})"]) == {"1", "2"}
+        assert set(results["beta_tau_sweep"]) >= {f"beta=1 ({label})", f"beta=3 ({label})"}
+    assert rows["strict-one@bs1"]["tok"] == rows["strict-two@bs1"]["tok"]  # one checkpoint, same drafts
+    table = (out / "results.md").read_text()
+    assert "| draft-verify strict (one) | 1 |" in table and "| draft-verify beta=3 tau=1 (two) | 1 |" in table
+    for name in ("speedup-distribution.png", "latency-vs-batch.png", "tok-vs-k.png", "tok-vs-beta-tau.png"):
+        assert (out / name).stat().st_size > 1000, name
+
+
+PLUGIN = '''
+"""A throwaway plugin: registers one more decoding and nothing else."""
+import fairseq_specdec  # noqa: F401
+from fairseq_specdec.generation.registry import DECODINGS, Decoding, register_decoding
+
+register_decoding(Decoding(name="copy-twice", help="input-guided under another name",
+                           build=DECODINGS["input-guided"].build, relaxed=False, bench_label="copy twice"))
+'''
+
+
+@pytest.mark.slow
+def test_a_decoding_registered_by_a_user_dir_plugin_is_a_row(toy_bin, ar_checkpoint, tmp_path):
+    plugin = tmp_path / "bench_test_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text(textwrap.dedent(PLUGIN))
+    out = tmp_path / "bench"
+    results = bench(toy_bin, ar_checkpoint, out, "--user-dir", plugin, "--rows", "beam5,beam1,copy-twice",
+                    "--batch-sizes", "1,4")
+    rows = {r["name"]: r for r in results["rows"]}
+    assert set(rows) == {f"{k}@bs{bs}" for k in ("beam5", "beam1", "copy-twice") for bs in (1, 4)}
+    for bs in (1, 4):
+        row = rows[f"copy-twice@bs{bs}"]
+        assert row["decoding"] == "copy-twice" and row["label"] == "copy twice"
+        assert row["identical_to_beam1"] and row["sentences"] == 20
+        # decoded by the speculative loop under the plugin's decoding (the toy translation copies nothing)
+        assert row["summary"].startswith("copy-twice:") and "histogram" in row
+    assert "| copy twice | 4 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda.is_available() is False)")
+@pytest.mark.slow
+def test_cuda_rows_report_peak_gpu_memory(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
+    out = tmp_path / "bench"
+    results = bench(toy_bin, ar_checkpoint, out, "--drafter", nat_checkpoint, "--rows", "beam5,beam1,strict",
+                    "--batch-sizes", "1,4", "--device", "cuda")
+    assert results["device"] == "cuda"
+    for r in results["rows"]:
+        assert r["peak_gpu_mb"] > 0 and r["peak_rss_mb"] > 0
+    assert all(r["identical_to_beam1"] for r in results["rows"] if r["name"].startswith(("beam1", "strict")))
+    assert "peak GPU MB" in (out / "results.md").read_text()
