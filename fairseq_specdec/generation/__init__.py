@@ -1,6 +1,8 @@
 """Speculative decoding for fairseq: one loop, pluggable drafters and acceptance rules."""
 from .acceptance import StrictAcceptance, TopBetaAcceptance, build_acceptance  # noqa: F401
-from .drafters import BlockwiseHeadsDrafter, Drafter, NATBlockDrafter, SourceCopyDrafter  # noqa: F401
-from .speculative import SpeculativeGenerator  # noqa: F401
-from .stats import SpecDecStats  # noqa: F401
+from .drafters import BlockwiseHeadsDrafter, Drafter, NATBlockDrafter, NoDrafter, SourceCopyDrafter  # noqa: F401
+from .registry import DECODINGS, Decoding, register_decoding  # noqa: F401
+from .speculative import DraftLengthPolicy, SpeculativeGenerator  # noqa: F401
+from .state import DecodingState, Feedback  # noqa: F401
+from .stats import SentenceCounter, SpecDecStats  # noqa: F401
 from .verifier import CachedVerifier  # noqa: F401

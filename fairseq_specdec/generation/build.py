@@ -10,8 +10,9 @@ from fairseq import checkpoint_utils
 
 from ..models.specdec_nat import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
-from .drafters import BlockwiseHeadsDrafter, NATBlockDrafter, SourceCopyDrafter
-from .speculative import SpeculativeGenerator
+from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter
+from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
+from .speculative import DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ def load_drafter(task, path: str, like):
 def _split_models(task, models):
     drafters = [m for m in models if getattr(m, "is_block_drafter", False)]
     verifiers = [m for m in models if not getattr(m, "is_block_drafter", False)]
+    if not verifiers and drafters:
+        raise ValueError(
+            f"--path holds only a drafter ({type(drafters[0]).__name__}): the verifier, a fairseq "
+            f"Transformer checkpoint, comes first: --path verifier.pt:drafter.pt, or --path "
+            f"verifier.pt --drafter-path drafter.pt"
+        )
     if len(verifiers) != 1:
         raise ValueError(
             f"--decoding {task.cfg.decoding} needs exactly one verifier in --path, got "
@@ -73,7 +80,8 @@ def _split_models(task, models):
     return verifiers[0], drafters
 
 
-def _nat_drafter(task, verifier, drafters, acceptance):
+def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    task, verifier, drafters, acceptance = ctx.task, ctx.verifier, ctx.drafters, ctx.acceptance
     cfg = task.cfg
     if cfg.drafter_path and drafters:
         raise ValueError("give the drafter either with --drafter-path or in --path, not both")
@@ -92,14 +100,19 @@ def _nat_drafter(task, verifier, drafters, acceptance):
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
     block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
-    drafter = NATBlockDrafter(model, verifier, with_scores=acceptance.uses_draft_scores)
-    shared = ", sharing the verifier's encoder" if drafter.shares_encoder else ""
-    return drafter, block_size, f"specdec_nat drafter {source}{shared}"
+    need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
+    drafter, description = model.build_drafter(verifier, need_scores)
+    return BuiltDrafter(drafter, block_size, f"{description} {source}")
 
 
-def _source_copy_drafter(task, verifier, drafters, acceptance):
-    if drafters or task.cfg.drafter_path:
-        raise ValueError("--decoding input-guided drafts from the source and takes no drafter")
+def _no_drafter_model(ctx: DrafterContext, what: str) -> None:
+    if ctx.drafters or ctx.cfg.drafter_path:
+        raise ValueError(f"--decoding {ctx.cfg.decoding} {what} and takes no drafter (--drafter-path, or a second model in --path)")
+
+
+def _source_copy_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    _no_drafter_model(ctx, "drafts from the source")
+    task, verifier = ctx.task, ctx.verifier
     src, tgt = task.source_dictionary, task.target_dictionary
     if dictionary_fingerprint(src) != dictionary_fingerprint(tgt):
         raise ValueError(
@@ -108,47 +121,78 @@ def _source_copy_drafter(task, verifier, drafters, acceptance):
         )
     # no cap by default: the whole rest of the source is one draft
     block_size = task.cfg.block_size if task.cfg.block_size is not None else verifier.max_decoder_positions()
-    return SourceCopyDrafter(tgt.pad(), tgt.eos()), block_size, "the source (input-guided)"
+    return BuiltDrafter(SourceCopyDrafter(tgt.pad(), tgt.eos()), block_size, "the source (input-guided)")
 
 
-def _blockwise_drafter(task, verifier, drafters, acceptance):
-    if drafters or task.cfg.drafter_path:
-        raise ValueError("--decoding blockwise drafts with the verifier's own heads and takes no drafter")
+def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    _no_drafter_model(ctx, "drafts with the verifier's own heads")
+    verifier = ctx.verifier
     if not getattr(verifier, "has_blockwise_heads", False):
         raise ValueError(
             f"--decoding blockwise needs a blockwise_transformer checkpoint in --path, got "
             f"{type(verifier).__name__}"
         )
     heads = verifier.blockwise_k - 1
-    block_size = min(task.cfg.block_size, heads) if task.cfg.block_size is not None else heads
-    return BlockwiseHeadsDrafter(verifier), block_size, f"{heads} blockwise heads of the verifier"
+    k = ctx.cfg.block_size
+    block_size = min(k, heads) if k is not None else heads
+    return BuiltDrafter(BlockwiseHeadsDrafter(verifier), block_size, f"{heads} blockwise heads of the verifier")
 
 
-DRAFTER_BUILDERS = {
-    "blockwise": _blockwise_drafter,
-    "draft-verify": _nat_drafter,
-    "input-guided": _source_copy_drafter,
-}
+def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
+    _no_drafter_model(ctx, "never drafts")
+    return BuiltDrafter(NoDrafter(), 1, "none: one verifier token per iteration")
+
+
+# the built-in decodings (other plugins register theirs the same way)
+for _decoding in (
+    Decoding(
+        "draft-verify",
+        "drafts with a drafter checkpoint (--drafter-path, or --path verifier.pt:drafter.pt): the "
+        "paper's specdec_nat Spec-Drafter, or a specdec_vsd drafter that reads the verifier's states",
+        _nat_drafter, takes_drafter=True, bench_model="verifier+drafter", bench_label="draft-verify",
+    ),
+    Decoding(
+        "input-guided",
+        "drafts by copying the source (input-guided aggressive decoding; same dictionary required)",
+        _source_copy_drafter, relaxed=False,
+    ),
+    Decoding(
+        "blockwise",
+        "drafts with the extra heads of a blockwise_transformer verifier (blockwise parallel decoding)",
+        _blockwise_drafter, relaxed=False, bench_model="blockwise", bench_label="blockwise heads",
+    ),
+    Decoding(
+        "loop-greedy",
+        "no drafter: greedy decoding through the speculative loop, one verifier token per "
+        "iteration (separates the loop's own speed from speculation's)",
+        _no_draft, relaxed=False, bench_label="greedy in the speculative loop",
+    ),
+):
+    register_decoding(_decoding)
 
 
 def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
+    """The generator of ``--decoding`` (a registered decoding), every option
+    checked here, once."""
+    decoding = get_decoding(task.cfg.decoding)
     check_generation_options(args)
     cfg = task.cfg
     verifier, drafters = _split_models(task, models)
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
-    drafter, block_size, description = DRAFTER_BUILDERS[cfg.decoding](task, verifier, drafters, acceptance)
-    if block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {block_size}")
+    built = decoding.build(DrafterContext(task, verifier, drafters, acceptance))
+    if built.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {built.block_size}")
     stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding)
     logger.info(
-        f"{cfg.decoding} decoding: block size {block_size}, acceptance {acceptance!r}, drafter {description}"
+        f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
+        f"drafter {built.description}"
     )
     return SpeculativeGenerator(
         verifier,
-        drafter,
+        built.drafter,
         acceptance,
         task.target_dictionary,
-        block_size=block_size,
+        block_size=built.block_size,
         max_len_a=getattr(args, "max_len_a", 0),
         max_len_b=getattr(args, "max_len_b", 200),
         min_len=getattr(args, "min_len", 1),
@@ -157,5 +201,10 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         unk_penalty=getattr(args, "unkpen", 0),
         temperature=getattr(args, "temperature", 1.0),
         stats=stats,
-        expected_sentences=lambda: task.expected_sentences,
+        progress=task.sentence_counter,
+        draft_policy=DraftLengthPolicy(
+            built.block_size,
+            adaptive=cfg.adaptive_draft,
+            min_confidence=cfg.draft_min_confidence,
+        ),
     )

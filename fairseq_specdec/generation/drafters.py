@@ -1,17 +1,26 @@
 """Drafters: what proposes the next k tokens in the speculative loop.
 
-A drafter is a small object with three calls; a new drafting method is a new
-class here, never a new loop:
+A drafter is a small object the loop calls at four points; a new drafting
+method is a new class here (and one entry in
+:mod:`~fairseq_specdec.generation.registry`), never a new loop:
 
-* ``start(net_input, bsz)``: once per batch (encode the source once);
-* ``draft(tokens, lengths, k) -> (draft_tokens B x k, draft_log_probs B x k or None)``
-  where ``tokens`` is the B x T buffer of accepted target tokens (BOS at
-  index 0, row r's accepted tokens at ``1 .. lengths[r]``);
-* ``reorder(new_order)``: keep only these rows (finished rows leave);
-* optionally ``observe(features, n_new)``: after each verification, the
-  verifier's final decoder states (B x m x C) and the number of tokens each row
-  accepted; a drafter that reads the verifier's own states (blockwise heads)
-  drafts from them, so an iteration costs one model call.
+* ``start_batch(state)``: once per batch, with the new
+  :class:`~fairseq_specdec.generation.state.DecodingState` (the source, the
+  verifier's encoder output, no output yet);
+* ``propose(state, k) -> (draft_tokens B x k', draft_log_probs B x k' or None)``
+  with ``k' <= k``: the next tokens after each row's accepted prefix
+  (``state.tokens[i, 1 : state.lengths[i] + 1]``); pad means "no draft here"
+  (the verifier never picks pad, so a pad slot and everything after it is
+  rejected);
+* ``update(state, feedback)``: after every verification, with the committed
+  state and a :class:`~fairseq_specdec.generation.state.Feedback` (per-row
+  drafted/accepted counts, the verifier's decoder states of the pass);
+* ``reorder(new_order)``: keep only these rows (finished rows leave); the
+  state calls it from ``keep``.
+
+Drafters read the state; they never write it.  The simpler legacy contract
+``start(net_input, bsz)`` / ``draft(tokens, lengths, k)`` still works: the
+base class's ``start_batch`` and ``propose`` call it.
 """
 import math
 from typing import Optional, Tuple
@@ -26,24 +35,38 @@ class Drafter:
     #: largest prefix + block length the drafter accepts (None: unlimited)
     max_positions: Optional[int] = None
 
-    def start(self, net_input, bsz: int) -> None:
-        raise NotImplementedError
+    def start_batch(self, state) -> None:
+        self.start(state.net_input, state.size)
 
-    def bind_verifier(self, verifier) -> None:
-        """Called once by the loop with its :class:`CachedVerifier`, for
-        drafters that read the verifier's state (its encoder output)."""
+    def propose(self, state, k: int) -> Tuple[Tensor, Optional[Tensor]]:
+        return self.draft(state.tokens, state.lengths, k)
 
-    def draft(self, tokens: Tensor, lengths: Tensor, k: int) -> Tuple[Tensor, Optional[Tensor]]:
-        raise NotImplementedError
+    def update(self, state, feedback) -> None:
+        """Called after every verification pass (see the module docstring)."""
 
     def reorder(self, new_order: Tensor) -> None:
         raise NotImplementedError
 
-    #: whether the loop must keep the verifier's decoder states for observe()
-    needs_features = False
+    # legacy contract, used by the default start_batch/propose
+    def start(self, net_input, bsz: int) -> None:
+        raise NotImplementedError
 
-    def observe(self, features: Tensor, n_new: Tensor) -> None:
-        """Called after every verification pass (see the module docstring)."""
+    def draft(self, tokens: Tensor, lengths: Tensor, k: int) -> Tuple[Tensor, Optional[Tensor]]:
+        raise NotImplementedError
+
+
+class NoDrafter(Drafter):
+    """Never drafts: the loop then takes one verifier token per iteration
+    (greedy decoding through the speculative loop)."""
+
+    def start_batch(self, state) -> None:
+        pass
+
+    def propose(self, state, k):
+        return state.tokens.new_zeros((state.size, 0)), None
+
+    def reorder(self, new_order) -> None:
+        pass
 
 
 def same_encoder(drafter, verifier) -> bool:
@@ -72,34 +95,25 @@ class NATBlockDrafter(Drafter):
     """The Spec-Drafter (``specdec_nat``): one non-autoregressive pass over
     ``prefix + k masks``.  Its encoder runs once per batch, and not at all when
     it is identical to the verifier's (trained with ``--freeze-encoder``):
-    the verifier's encoder output is reused.  The drafter's log-probs are
-    computed only ``with_scores`` (acceptance by drafter score); otherwise a
-    draft is the argmax of the logits."""
+    the state's encoder output (the verifier's) is reused.  The drafter's
+    log-probs are computed only ``with_scores`` (acceptance by drafter score
+    or a confidence cut); otherwise a draft is the argmax of the logits."""
 
     def __init__(self, model, verifier_model=None, with_scores: bool = True):
         if not getattr(model, "is_block_drafter", False):
             raise ValueError(f"the drafter must be a specdec_nat model, got {type(model).__name__}")
         self.model = model
         self.max_positions = model.decoder.max_positions()
-        self.encoder_out = None
+        self.encoder_out = None  # own encoder's output; None: read the state's
         self.shares_encoder = verifier_model is not None and same_encoder(model, verifier_model)
-        self.verifier = None
         self.with_scores = with_scores
 
-    def bind_verifier(self, verifier) -> None:
-        self.verifier = verifier
-
     def start(self, net_input, bsz: int) -> None:
-        if self.shares_encoder and self.verifier is not None:
-            self.encoder_out = None  # read from the verifier, which follows reorders
-        else:
-            self.encoder_out = self.model.encoder.forward_torchscript(net_input)
+        self.encoder_out = None if self.shares_encoder else self.model.encoder.forward_torchscript(net_input)
 
-    def _encoder_out(self):
-        return self.encoder_out if self.encoder_out is not None else self.verifier.encoder_out
-
-    def draft(self, tokens, lengths, k):
-        return self.model.draft(self._encoder_out(), tokens[:, 1:], lengths, k, self.with_scores)
+    def propose(self, state, k):
+        encoder_out = self.encoder_out if self.encoder_out is not None else state.encoder_out
+        return self.model.draft(encoder_out, state.tokens[:, 1:], state.lengths, k, self.with_scores)
 
     def reorder(self, new_order):
         if self.encoder_out is not None:
@@ -174,26 +188,25 @@ class BlockwiseHeadsDrafter(Drafter):
     loop just appended, and propose the k-1 tokens after it (the merged
     verify-and-predict step of section 4).  The first iteration has no draft."""
 
-    needs_features = True
-
     def __init__(self, model):
         if not getattr(model, "has_blockwise_heads", False):
             raise ValueError(f"--decoding blockwise needs a blockwise_transformer, got {type(model).__name__}")
         self.model = model
         self.pending = None  # B x (k-1) drafts for the next iteration
 
-    def start(self, net_input, bsz):
+    def start_batch(self, state):
         self.pending = None
 
-    def observe(self, features, n_new):
-        state = features.gather(1, (n_new - 1).view(-1, 1, 1).expand(-1, 1, features.size(-1))).squeeze(1)
-        logits = self.model.head_logits(state)  # B x (k-1) x V
+    def update(self, state, feedback):
+        features, n_new = feedback.features, feedback.n_new
+        state_h = features.gather(1, (n_new - 1).view(-1, 1, 1).expand(-1, 1, features.size(-1))).squeeze(1)
+        logits = self.model.head_logits(state_h)  # B x (k-1) x V
         logits[..., self.model.decoder.dictionary.pad()] = -math.inf
         self.pending = logits.argmax(-1)
 
-    def draft(self, tokens, lengths, k):
+    def propose(self, state, k):
         if self.pending is None:
-            return tokens.new_zeros((tokens.size(0), 0)), None
+            return state.tokens.new_zeros((state.size, 0)), None
         return self.pending[:, :k], None
 
     def reorder(self, new_order):

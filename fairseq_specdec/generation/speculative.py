@@ -1,18 +1,24 @@
-"""The one speculative decoding loop: draft, verify, accept, roll back.
+"""The one speculative decoding loop: draft, verify, accept, commit, retire.
 
 Every iteration, for all unfinished rows of the batch at once:
 
-1. the drafter proposes k tokens after each row's accepted prefix;
-2. the verifier scores ``[last accepted token] + k drafts`` in one pass over
-   its KV cache (:class:`~fairseq_specdec.generation.verifier.CachedVerifier`);
-3. fairseq's own ``--beam 1`` rules are applied to those log-probs (pad
+1. **draft**: the drafter proposes up to k tokens after each row's accepted
+   prefix; the :class:`DraftLengthPolicy` caps each row's draft (adaptive
+   draft length, confidence cut);
+2. **verify**: the verifier scores ``[last accepted token] + drafts`` in one
+   pass over its KV cache (:class:`~fairseq_specdec.generation.verifier.CachedVerifier`),
+   and fairseq's own ``--beam 1`` rules are applied to those log-probs (pad
    masked, ``--unkpen``, EOS forbidden before ``--min-len``, only EOS at the
-   length limit) and the greedy token of every slot is taken exactly as
+   length limit); the greedy token of every slot is taken exactly as
    ``SequenceGenerator`` takes it (top-2 of log-prob plus the running score);
-4. the acceptance rule keeps the longest acceptable draft prefix, then the
-   verifier's token at the first rejection (or the bonus token after k
-   accepted drafts); output stops at the first EOS;
-5. the cache is rolled back to the accepted prefix; finished rows leave.
+3. **accept**: the acceptance rule keeps the longest acceptable draft prefix,
+   then the verifier's token at the first rejection (or the bonus token after
+   all drafts); output stops at the first EOS;
+4. **commit**: the verifier's cache is rolled back to the accepted prefix,
+   the tokens are appended to the :class:`~fairseq_specdec.generation.state.DecodingState`,
+   and the drafter hears what was accepted (``Drafter.update``);
+5. **retire**: finished rows are finalized and leave the batch everywhere
+   (``DecodingState.keep``).
 
 With :class:`~fairseq_specdec.generation.acceptance.StrictAcceptance` the
 output is the ``--beam 1`` output, whatever the drafter proposes.
@@ -25,10 +31,75 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .acceptance import StrictAcceptance
 from .drafters import Drafter
 from .stats import SpecDecStats
+from .state import DecodingState, Feedback
 from .verifier import CachedVerifier
+
+
+class DraftLengthPolicy:
+    """How many tokens each row may draft, for every drafter.
+
+    * ``adaptive``: a per-row draft length, the heuristic of Hugging Face's
+      assisted generation: it starts at ``init`` (default ``min(5, k)``), grows
+      by 2 after an iteration whose drafts were all accepted, shrinks by 1
+      after one that rejected a draft, and stays within ``[1, k]``; a row that
+      proposed nothing keeps its length.  Without it every row drafts ``k``.
+    * ``min_confidence`` (0 = off): a draft stops before its first token whose
+      drafter probability is below this; needs a drafter that returns
+      log-probs (others are not cut).
+
+    Neither changes what strict verification outputs, only what is verified.
+    """
+
+    def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None):
+        if k < 1:
+            raise ValueError(f"--block-size must be >= 1, got {k}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"--draft-min-confidence must be in [0, 1), got {min_confidence}")
+        self.k = k
+        self.adaptive = adaptive
+        self.min_confidence = min_confidence
+        self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        self.init = min(k, 5) if init is None else max(1, min(k, init))
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.min_confidence > 0
+
+    def initial(self) -> int:
+        return self.init if self.adaptive else self.k
+
+    def limit(self, draft_tokens: Tensor, draft_lprobs: Optional[Tensor], draft_k: List[int], pad: int) -> Tensor:
+        """Pad out each row's draft past its length and its confidence cut."""
+        width = draft_tokens.size(1)
+        if width == 0:
+            return draft_tokens
+        cut = None
+        if self.adaptive and min(draft_k) < width:
+            cut = torch.arange(width, device=draft_tokens.device).unsqueeze(0) >= torch.tensor(
+                draft_k, device=draft_tokens.device
+            ).unsqueeze(1)
+        if draft_lprobs is not None and self.min_confidence > 0:
+            low = (draft_lprobs < self.log_min_confidence).long().cumsum(1) > 0
+            cut = low if cut is None else cut | low
+        return draft_tokens if cut is None else draft_tokens.masked_fill(cut, pad)
+
+    def update(self, draft_k: List[int], drafted: List[int], accepted: List[int]) -> None:
+        if not self.adaptive:
+            return
+        for i, (d, a) in enumerate(zip(drafted, accepted)):
+            if d == 0:
+                continue
+            draft_k[i] = min(self.k, draft_k[i] + 2) if a == d else max(1, draft_k[i] - 1)
+
+    def __repr__(self):
+        parts = [f"k={self.k}"]
+        if self.adaptive:
+            parts.append(f"adaptive from {self.init}")
+        if self.min_confidence > 0:
+            parts.append(f"confidence cut {self.min_confidence}")
+        return ", ".join(parts)
 
 
 class SpeculativeGenerator:
@@ -49,15 +120,16 @@ class SpeculativeGenerator:
         unk_penalty: float = 0.0,
         temperature: float = 1.0,
         stats: Optional[SpecDecStats] = None,
-        expected_sentences=None,
+        progress=None,
+        draft_policy: Optional[DraftLengthPolicy] = None,
     ):
-        if block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {block_size}")
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
+        self.policy = draft_policy or DraftLengthPolicy(block_size)
+        if self.policy.k != block_size:
+            raise ValueError(f"the draft policy's k ({self.policy.k}) is not --block-size {block_size}")
         self.verifier = CachedVerifier(verifier_model, temperature)
         self.drafter = drafter
-        drafter.bind_verifier(self.verifier)
         self.acceptance = acceptance
         self.block_size = block_size
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -69,109 +141,116 @@ class SpeculativeGenerator:
         self.unk_penalty = unk_penalty
         self.max_len = verifier_model.max_decoder_positions()
         self.stats = stats if stats is not None else SpecDecStats()
-        # callable returning how many sentences the current run will decode
-        self.expected_sentences = expected_sentences or (lambda: None)
+        # counts sentences decoded against those the run's iterators handed out
+        # (the task's SentenceCounter); the statistics line is logged when they meet
+        self.progress = progress
         self.symbols_to_strip_from_output = {self.eos}
 
     def cuda(self):
         return self
 
-    def _mask_lprobs(self, lprobs: Tensor, lengths: Tensor, lengths_host: List[int], max_len: int) -> None:
+    def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int) -> None:
         """fairseq SequenceGenerator's per-step rules, in place.  Slot j of row r
-        predicts output index ``lengths[r] + j``."""
+        predicts output index ``state.lengths[r] + j``."""
         lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
         m = lprobs.size(1)
-        if min(lengths_host) < self.min_len or max(lengths_host) + m - 1 >= max_len:
-            steps = lengths.unsqueeze(1) + torch.arange(m, device=lprobs.device)
+        if min(state.lengths_host) < self.min_len or max(state.lengths_host) + m - 1 >= max_len:
+            steps = state.lengths.unsqueeze(1) + torch.arange(m, device=lprobs.device)
             lprobs[:, :, self.eos].masked_fill_(steps < self.min_len, -math.inf)
             at_limit = (steps >= max_len).unsqueeze(-1)
             lprobs[:, :, : self.eos].masked_fill_(at_limit, -math.inf)
             lprobs[:, :, self.eos + 1 :].masked_fill_(at_limit, -math.inf)
 
+    def _draft(self, state: DecodingState, max_len: int):
+        """Step 1: B x k' drafts (k' may be 0) and their drafter log-probs (or None)."""
+        k = max(0, min(self.block_size, max_len - min(state.lengths_host)))
+        limit = self.drafter.max_positions
+        if limit is not None:
+            k = max(0, min(k, limit - max(state.lengths_host)))
+        if self.policy.adaptive:
+            k = min(k, max(state.draft_k))
+        if k == 0:
+            return state.tokens.new_zeros((state.size, 0)), None
+        # a drafter may propose fewer than k tokens (pad = no draft)
+        draft_tokens, draft_lprobs = self.drafter.propose(state, k)
+        draft_tokens = self.policy.limit(draft_tokens, draft_lprobs, state.draft_k, self.pad)
+        # drafts after a drafted EOS or a pad can never be kept: do not verify
+        # them (a drafted EOS itself is verified: it may be accepted)
+        k = draft_tokens.size(1)
+        stop = draft_tokens.eq(self.eos) | draft_tokens.eq(self.pad)
+        if k > 0 and bool(stop.any()):
+            first = stop.int().argmax(1)
+            eos_first = draft_tokens.gather(1, first.unsqueeze(1)).squeeze(1).eq(self.eos)
+            width = torch.where(stop.any(1), first + eos_first.long(), k)
+            cut = int(width.max())
+            if cut < k:
+                draft_tokens = draft_tokens[:, :cut]
+                draft_lprobs = draft_lprobs[:, :cut] if draft_lprobs is not None else None
+        return draft_tokens, draft_lprobs
+
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
         if prefix_tokens is not None:
-            raise ValueError("--decoding draft-verify does not support --prefix-size")
+            raise ValueError("speculative decoding does not support --prefix-size")
         if constraints is not None:
-            raise ValueError("--decoding draft-verify does not support --constraints")
+            raise ValueError("speculative decoding does not support --constraints")
         start_time = time.perf_counter()
-        net_input = sample["net_input"]
-        src_tokens = net_input["src_tokens"]
+        src_tokens = sample["net_input"]["src_tokens"]
         bsz, src_len = src_tokens.shape[:2]
-        device = src_tokens.device
         max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
         assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
 
         verifier = self.verifier
-        encoder_out = verifier.encode(net_input)
-        verifier.start(bsz, device)
-        self.drafter.start(net_input, bsz)
-
-        k = self.block_size
-        width = max_len + k + 2
-        tokens = torch.full((bsz, width), self.pad, dtype=torch.long, device=device)
-        tokens[:, 0] = self.eos if bos_token is None else bos_token
-        pos_scores = torch.zeros((bsz, width), dtype=torch.float, device=device)
-        lengths = torch.zeros(bsz, dtype=torch.long, device=device)  # output tokens so far
-        cum = torch.zeros(bsz, dtype=torch.float, device=device)  # running score, as fairseq
-        lengths_host = [0] * bsz
-        rows = list(range(bsz))  # original row of each active row
+        verifier.start()
+        state = DecodingState(
+            sample,
+            verifier.encode(sample["net_input"]),
+            width=max_len + self.block_size + 2,
+            pad=self.pad,
+            bos=self.eos if bos_token is None else bos_token,
+            draft_k=self.policy.initial(),
+        )
+        state.on_keep(lambda order, order_host: verifier.reorder(state, order, order_host))
+        state.on_keep(lambda order, order_host: self.drafter.reorder(order))
+        self.drafter.start_batch(state)
         accepted: List[List[int]] = [[] for _ in range(bsz)]
         finalized: List[Optional[List[Dict]]] = [None] * bsz
-        drafter_limit = self.drafter.max_positions
 
-        while rows:
-            n = len(rows)
-            k_eff = max(0, min(k, max_len - min(lengths_host)))
-            if drafter_limit is not None:
-                k_eff = max(0, min(k_eff, drafter_limit - max(lengths_host)))
-            if k_eff > 0:
-                # a drafter may propose fewer than k_eff tokens (pad = no draft)
-                draft_tokens, draft_lprobs = self.drafter.draft(tokens, lengths, k_eff)
-                k_eff = draft_tokens.size(1)
-                # drafts after a drafted EOS can never be kept: do not verify them
-                eos_drafted = draft_tokens.eq(self.eos)
-                if k_eff > 1 and bool(eos_drafted.any()):
-                    first = torch.where(eos_drafted.any(1), eos_drafted.int().argmax(1) + 1, k_eff)
-                    cut = int(first.max())
-                    if cut < k_eff:
-                        k_eff = cut
-                        draft_tokens = draft_tokens[:, :cut]
-                        draft_lprobs = draft_lprobs[:, :cut] if draft_lprobs is not None else None
-            else:
-                draft_tokens = tokens.new_zeros((n, 0))
-                draft_lprobs = None
-            m = k_eff + 1
-            last = tokens.gather(1, lengths.unsqueeze(1))
-            lprobs = verifier.forward(torch.cat([last, draft_tokens], dim=1), encoder_out)
-            offsets = torch.arange(m, device=device)
-            self._mask_lprobs(lprobs, lengths, lengths_host, max_len)
-
+        while state.size > 0:
+            n = state.size
+            # 1. draft
+            draft_tokens, draft_lprobs = self._draft(state, max_len)
+            k = draft_tokens.size(1)
+            m = k + 1
+            # 2. verify, with fairseq's rules
+            lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state)
+            offsets = torch.arange(m, device=state.device)
+            self._mask_lprobs(lprobs, state, max_len)
             # running score before each slot along the draft path, accumulated in
             # float32 one token at a time exactly as SequenceGenerator does
-            draft_vlp = lprobs[:, :k_eff].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
+            draft_vlp = lprobs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
             running = np.empty((n, m), dtype=np.float32)
-            running[:, 0] = cum.cpu().numpy()
-            if k_eff > 0:
+            running[:, 0] = state.cum.cpu().numpy()
+            if k > 0:
                 np.cumsum(
                     np.concatenate([running[:, :1], draft_vlp.cpu().numpy()], axis=1),
                     axis=1,
                     dtype=np.float32,
                     out=running,
                 )
-            running_t = torch.from_numpy(running).to(device)
+            running_t = torch.from_numpy(running).to(state.device)
             candidates = lprobs + running_t.unsqueeze(-1)
             greedy = candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
 
-            if k_eff > 0:
-                ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k_eff], greedy[:, :k_eff])
+            # 3. accept: the accepted drafts, then the verifier's token at the bifurcation
+            if k > 0:
+                ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k], greedy[:, :k])
                 n_accepted = ok.long().cumprod(dim=1).sum(dim=1)
             else:
-                n_accepted = lengths.new_zeros(n)
-            # new tokens: the accepted drafts, then the verifier's token at the bifurcation
+                n_accepted = state.lengths.new_zeros(n)
             new_tokens = torch.cat([draft_tokens, greedy[:, -1:]], dim=1)
             at = n_accepted.unsqueeze(1)
             new_tokens.scatter_(1, at, greedy.gather(1, at))
@@ -179,57 +258,50 @@ class SpeculativeGenerator:
             is_eos = new_tokens.eq(self.eos) & (offsets.unsqueeze(0) <= at)
             has_eos = is_eos.any(dim=1)
             n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
-
-            # write the block; slots past n_new are overwritten by later iterations
-            cols = lengths.unsqueeze(1) + 1 + offsets
-            tokens.scatter_(1, cols, new_tokens)
-            pos_scores.scatter_(1, cols, new_lprobs)
             last_new = (n_new - 1).unsqueeze(1)
             cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
-            lengths = lengths + n_new
+            drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1) if k > 0 else n_accepted
+            n_new_host, done_host, accepted_host, drafted_host = torch.stack(
+                [n_new, has_eos.long(), n_accepted, drafted]
+            ).tolist()
 
-            if self.drafter.needs_features:
-                self.drafter.observe(verifier.last_features, n_new)
-            n_new_host, done_host = torch.stack([n_new, has_eos.long()]).tolist()
+            # 4. commit: cache, state, drafter feedback, draft lengths
+            verifier.rollback(state, n_new, n_new_host)
+            state.commit(new_tokens, new_lprobs, n_new, n_new_host, cum)
+            self.drafter.update(state, Feedback(drafted_host, accepted_host, n_new, verifier.last_features))
+            self.policy.update(state.draft_k, drafted_host, accepted_host)
+
+            # 5. retire finished rows
             now = time.perf_counter()
             keep = []
-            for i, row in enumerate(rows):
-                lengths_host[i] += n_new_host[i]
+            for i, row in enumerate(state.rows):
+                accepted[row].append(n_new_host[i])  # a final EOS included
                 if done_host[i]:
-                    accepted[row].append(n_new_host[i])  # the final EOS included
-                    finalized[row] = self._finalize(tokens[i], pos_scores[i], lengths_host[i], cum[i])
+                    finalized[row] = self._finalize(state, i)
                     sample_id = int(sample["id"][row]) if "id" in sample else row
-                    self.stats.add(sample_id, lengths_host[i] - 1, accepted[row], now - start_time)
+                    self.stats.add(sample_id, state.lengths_host[i] - 1, accepted[row], now - start_time)
                 else:
-                    accepted[row].append(n_new_host[i])
                     keep.append(i)
             if not keep:
                 break
-            verifier.rollback(n_new, n_new_host)
-            if len(keep) == n:
-                continue
-            order = torch.tensor(keep, dtype=torch.long, device=device)
-            encoder_out = verifier.reorder(order, encoder_out, keep)
-            self.drafter.reorder(order)
-            tokens, pos_scores = tokens[order], pos_scores[order]
-            lengths, cum = lengths[order], cum[order]
-            lengths_host = [lengths_host[i] for i in keep]
-            rows = [rows[i] for i in keep]
+            state.keep(keep)
 
-        self.stats.report(self.expected_sentences())
+        if self.progress is not None and self.progress.decoded(bsz):
+            self.stats.report()
         return finalized
 
-    def _finalize(self, tokens: Tensor, pos_scores: Tensor, length: int, cum: Tensor) -> List[Dict]:
-        """One hypothesis in SequenceGenerator's format; ``length`` includes the EOS."""
-        score = cum.clone()
+    def _finalize(self, state: DecodingState, i: int) -> List[Dict]:
+        """Row i's hypothesis in SequenceGenerator's format."""
+        length = state.lengths_host[i]  # the EOS included
+        score = state.cum[i].clone()
         if self.normalize_scores:
             score = score / (length ** self.len_penalty)
         return [
             {
-                "tokens": tokens[1 : length + 1].clone(),
+                "tokens": state.tokens[i, 1 : length + 1].clone(),
                 "score": score,
                 "attention": torch.empty(0),
                 "alignment": torch.empty(0),
-                "positional_scores": pos_scores[1 : length + 1].clone(),
+                "positional_scores": state.pos_scores[i, 1 : length + 1].clone(),
             }
         ]

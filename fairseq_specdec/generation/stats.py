@@ -1,6 +1,7 @@
 """Decoding statistics of the speculative loop (Tok., iterations, histogram)."""
 import json
 import logging
+import os
 from collections import Counter
 from typing import List, Optional
 
@@ -24,8 +25,11 @@ class SpecDecStats:
         self.iterations = 0
         self.histogram: Counter = Counter()
         self.path = path
-        self._file = open(path, "w", buffering=1, encoding="utf-8") if path else None
-        self._reported_at = -1
+        self._file = None
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            os.makedirs(parent, exist_ok=True)  # as fairseq does for --results-path
+            self._file = open(path, "w", buffering=1, encoding="utf-8")
 
     def add(self, sample_id: int, length: int, accepted: List[int], seconds: float) -> None:
         """``length``: output tokens excluding the final EOS; ``accepted``:
@@ -34,6 +38,8 @@ class SpecDecStats:
         self.tokens += sum(accepted)
         self.iterations += len(accepted)
         self.histogram.update(accepted)
+        if self.path and self._file is None:  # more sentences after report(): append
+            self._file = open(self.path, "a", buffering=1, encoding="utf-8")
         if self._file is not None:
             self._file.write(
                 json.dumps(
@@ -61,10 +67,40 @@ class SpecDecStats:
             f"tokens added per iteration (count:iterations) {hist}"
         )
 
-    def report(self, expected: Optional[int]) -> None:
-        """Log the summary once all ``expected`` sentences are decoded."""
-        if expected is not None and self.sentences == expected and self._reported_at != self.sentences:
-            self._reported_at = self.sentences
-            logger.info(self.summary())
-            if self._file is not None:
-                self._file.flush()
+    def report(self) -> None:
+        """Log the summary and close the statistics file (a later
+        :meth:`add` reopens it to append)."""
+        logger.info(self.summary())
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class SentenceCounter:
+    """Sentences the task's non-training batch iterators handed out, and
+    those the speculative generators decoded: when the two meet, a run (a
+    ``fairseq-generate`` call, one ``translate()``) is over and its
+    statistics line is logged.  Both counts belong to the task, so a
+    generator built before its batches (the hub interface) or a second run
+    in the same process still reports."""
+
+    def __init__(self):
+        self.expected = 0
+        self.done = 0
+
+    def expect(self, n: int) -> None:
+        self.expected += n
+
+    def decoded(self, n: int) -> bool:
+        """Count ``n`` decoded sentences; True when every expected one is."""
+        self.done += n
+        return self.done >= self.expected > 0

@@ -22,14 +22,17 @@ class CachedVerifier:
     """Parallel verification with a KV cache that can be rolled back.
 
     **Cache invariant** (between two :meth:`forward` calls): for every active
-    row r with ``n_r`` accepted target tokens after the BOS, the self-attention
-    cache of every layer holds keys/values of exactly the first ``n_r``
-    accepted tokens ``[BOS, y_1, ..., y_{n_r - 1}]``, i.e. every accepted
-    token except the newest one, which is the first input of the next pass.
-    Entries are left-aligned: ``[0, n_r)`` of the time axis is valid, the rest
-    (up to the longest row) is marked in ``prev_key_padding_mask``.  The
-    encoder-decoder attention caches are computed once per sentence and never
-    trimmed; leaving rows are removed from both with :meth:`reorder`.
+    row r of the :class:`~fairseq_specdec.generation.state.DecodingState`
+    with ``n_r = state.lengths[r]`` accepted target tokens after the BOS, the
+    self-attention cache of every layer holds keys/values of exactly
+    ``[BOS, y_1, ..., y_{n_r - 1}]``, i.e. every accepted token except the
+    newest one, which is the first input of the next pass.  Entries are
+    left-aligned: ``[0, n_r)`` of the time axis is valid, the rest (up to the
+    longest row) is marked in ``prev_key_padding_mask``.  The encoder-decoder
+    attention caches are computed once per sentence and never trimmed;
+    leaving rows are removed from both by :meth:`reorder`, which the state's
+    :meth:`~fairseq_specdec.generation.state.DecodingState.keep` calls.  The
+    cache lengths are the state's lengths: the verifier keeps no copy.
     """
 
     def __init__(self, model, temperature: float = 1.0):
@@ -54,31 +57,25 @@ class CachedVerifier:
             self.position_table = decoder.embed_positions(dummy)[0]
         self.self_attns = [layer.self_attn for layer in decoder.layers]
         self.incremental_state: Dict[str, Dict[str, Optional[Tensor]]] = {}
-        self.cache_lengths: Optional[Tensor] = None  # B: valid cache entries per row
-        self.cache_lengths_host: List[int] = []  # the same, on the host
         self._last_m = 0
         self.last_features: Optional[Tensor] = None
-        self.encoder_out: Optional[Dict[str, List[Tensor]]] = None
         # fairseq's output_layer is output_projection(x) without adaptive softmax
         projection = getattr(decoder, "output_projection", None)
         self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
 
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
-        """Encode the batch; the output is also kept in ``self.encoder_out``
-        (and follows :meth:`reorder`) for drafters that share it."""
-        self.encoder_out = self.model.encoder.forward_torchscript(net_input)
-        return self.encoder_out
+        return self.model.encoder.forward_torchscript(net_input)
 
-    def start(self, bsz: int, device) -> None:
+    def start(self) -> None:
+        """A new batch: empty caches."""
         self.incremental_state = {}
-        self.cache_lengths = torch.zeros(bsz, dtype=torch.long, device=device)
-        self.cache_lengths_host = [0] * bsz
+        self.last_features = None
 
-    def forward(self, tokens: Tensor, encoder_out) -> Tensor:
+    def forward(self, tokens: Tensor, state) -> Tensor:
         """Log-probs (B x m x V, float) after each of the ``m`` new tokens.
 
         ``tokens[r, 0]`` is row r's newest accepted token and sits at index
-        ``cache_lengths[r]``; the others follow it.  Their keys/values are
+        ``state.lengths[r]``; the others follow it.  Their keys/values are
         appended to the cache; call :meth:`rollback` next.
         """
         dec = self.decoder
@@ -89,7 +86,7 @@ class CachedVerifier:
         if dec.project_in_dim is not None:
             x = dec.project_in_dim(x)
         if self.position_table is not None:
-            index = self.cache_lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)
+            index = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)
             index = index.clamp_(max=self.position_table.size(0) - 1)
             x = x + self.position_table[index]
         if dec.layernorm_embedding is not None:
@@ -107,6 +104,7 @@ class CachedVerifier:
                 ],
                 dim=1,
             )
+        encoder_out = state.encoder_out
         enc = encoder_out["encoder_out"][0] if len(encoder_out["encoder_out"]) > 0 else None
         enc_pad = (
             encoder_out["encoder_padding_mask"][0]
@@ -122,7 +120,7 @@ class CachedVerifier:
         x = x.transpose(0, 1)
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
-        self.last_features = x  # B x m x C: what blockwise heads read
+        self.last_features = x  # B x m x C: what drafters reading the verifier's states use
         if self._projection is not None:
             proj = dec.output_projection
             logits = self._projection(x, proj.weight, proj.bias)
@@ -138,23 +136,24 @@ class CachedVerifier:
         key = buf.get("prev_key") if buf else None
         return 0 if key is None else key.size(2)
 
-    def rollback(self, keep: Tensor, keep_host: List[int]) -> None:
+    def rollback(self, state, keep: Tensor, keep_host: List[int]) -> None:
         """Keep the first ``keep[r]`` of the entries the last :meth:`forward`
-        appended for row r (the inputs that are now accepted, newest excluded)
-        and re-establish the cache invariant."""
+        appended for row r (the inputs that are now accepted, newest excluded).
+        Called before ``state.commit`` of the same tokens, so that afterwards
+        the cache invariant holds for the committed state."""
         m = self._last_m
         width = self._cache_width()
         old = width - m
-        new_lengths = self.cache_lengths + keep
-        lengths_host = [c + k for c, k in zip(self.cache_lengths_host, keep_host)]
+        new_lengths = state.lengths + keep
+        lengths_host = [c + k for c, k in zip(state.lengths_host, keep_host)]
         target = max(lengths_host) if lengths_host else 0
         # Fast path (always at batch 1): every row's valid entries are [0, target)
-        if all(c == old for c in self.cache_lengths_host) and all(k == keep_host[0] for k in keep_host):
+        if all(c == old for c in state.lengths_host) and all(k == keep_host[0] for k in keep_host):
             index = None
         else:
             device = keep.device
             cols = torch.arange(width, device=device).unsqueeze(0)
-            valid = (cols < self.cache_lengths.unsqueeze(1)) | (
+            valid = (cols < state.lengths.unsqueeze(1)) | (
                 (cols >= old) & (cols < old + keep.unsqueeze(1))
             )
             # stable sort puts each row's valid entries first, in order
@@ -173,16 +172,15 @@ class CachedVerifier:
                     buf[name] = t.gather(2, g)
             buf["prev_key_padding_mask"] = pad_mask
             attn._set_input_buffer(self.incremental_state, buf)
-        self.cache_lengths = new_lengths
-        self.cache_lengths_host = lengths_host
 
-    def reorder(self, new_order: Tensor, encoder_out, new_order_host: List[int]):
-        """Keep only the rows in ``new_order``; returns the reordered encoder output."""
+    def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
+        """Keep only the rows in ``new_order`` in the caches and in
+        ``state.encoder_out`` (``state`` already holds the kept rows' lengths)."""
         self.decoder.reorder_incremental_state_scripting(self.incremental_state, new_order)
-        self.cache_lengths = self.cache_lengths.index_select(0, new_order)
-        self.cache_lengths_host = [self.cache_lengths_host[i] for i in new_order_host]
+        if self.last_features is not None:
+            self.last_features = self.last_features.index_select(0, new_order)
         # drop padding columns no remaining row needs
-        target = max(self.cache_lengths_host) if self.cache_lengths_host else 0
+        target = max(state.lengths_host) if state.lengths_host else 0
         if target < self._cache_width():
             for attn in self.self_attns:
                 buf = attn._get_input_buffer(self.incremental_state)
@@ -192,5 +190,4 @@ class CachedVerifier:
                     mask = buf["prev_key_padding_mask"][:, :target]
                     buf["prev_key_padding_mask"] = mask if bool(mask.any()) else None
                 attn._set_input_buffer(self.incremental_state, buf)
-        self.encoder_out = self.model.encoder.reorder_encoder_out(encoder_out, new_order)
-        return self.encoder_out
+        state.encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, new_order)

@@ -172,6 +172,14 @@ class SpecDecNATModel(TransformerModel):
             prev_output_tokens, block_mask = glance(first)
         return self.decoder(prev_output_tokens, encoder_out, block_mask=block_mask)
 
+    def build_drafter(self, verifier, need_scores: bool = False):
+        """The loop's drafter for this model: ``(drafter, description)``."""
+        from ..generation.drafters import NATBlockDrafter
+
+        drafter = NATBlockDrafter(self, verifier, with_scores=need_scores)
+        shared = ", sharing the verifier's encoder" if drafter.shares_encoder else ""
+        return drafter, f"specdec_nat drafter{shared}"
+
     @torch.no_grad()
     def draft(
         self,

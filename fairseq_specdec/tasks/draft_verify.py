@@ -21,8 +21,12 @@ from .block_inputs import make_block_inputs, sentence_draws
 
 logger = logging.getLogger(__name__)
 
-DECODING_CHOICES = ChoiceEnum(["autoregressive", "draft-verify", "input-guided", "blockwise"])
-VERIFY_SCORE_CHOICES = ChoiceEnum(["verifier", "drafter"])
+from ..generation.acceptance import VERIFY_SCORES
+from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
+from ..generation.stats import SentenceCounter
+from ..generation import build as _builtin_decodings  # noqa: F401  (registers them)
+
+VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 
 #: block size k used when --block-size is not given (paper 002 uses 25)
 DEFAULT_BLOCK_SIZE = 25
@@ -30,15 +34,11 @@ DEFAULT_BLOCK_SIZE = 25
 
 @dataclass
 class DraftVerifyConfig(TranslationConfig):
-    decoding: DECODING_CHOICES = field(
-        default="autoregressive",
-        metadata={
-            "help": "decoding algorithm used by fairseq-generate/-interactive: "
-            "'autoregressive' is fairseq's own SequenceGenerator; 'draft-verify' "
-            "drafts with a specdec_nat drafter and verifies with the --path model; "
-            "'input-guided' drafts by copying the source (same dictionary required); "
-            "'blockwise' drafts with the extra heads of a blockwise_transformer verifier"
-        },
+    # a plain string, checked against the registry of decodings when the task
+    # is set up, so that a decoding registered by another plugin is a choice too
+    decoding: str = field(
+        default=AUTOREGRESSIVE,
+        metadata={"help": decoding_help()},
     )
     init_from_verifier: Optional[str] = field(
         default=None,
@@ -74,7 +74,7 @@ class DraftVerifyConfig(TranslationConfig):
         default=0.0,
         metadata={
             "help": "relaxed verification: accept a draft whose score is within tau of "
-            "the verifier's top-1 log-prob (ignored when --verify-beta is 1)"
+            "the verifier's top-1 log-prob (must be >= 0; no effect when --verify-beta is 1)"
         },
     )
     verify_score: VERIFY_SCORE_CHOICES = field(
@@ -87,6 +87,22 @@ class DraftVerifyConfig(TranslationConfig):
     specdec_stats: Optional[str] = field(
         default=None,
         metadata={"help": "write per-sentence draft-verify statistics to this file (JSON lines)"},
+    )
+    adaptive_draft: bool = field(
+        default=False,
+        metadata={
+            "help": "speculative decodings: adapt each row's draft length to what was "
+            "accepted (start at min(5, k), +2 after a fully accepted draft, -1 otherwise, "
+            "within [1, --block-size]); the output does not change"
+        },
+    )
+    draft_min_confidence: float = field(
+        default=0.0,
+        metadata={
+            "help": "speculative decodings: stop each draft before its first token whose "
+            "drafter probability is below this (0 = off; drafters that return "
+            "probabilities only); the output does not change"
+        },
     )
     block_size: Optional[int] = field(
         default=None,
@@ -107,8 +123,13 @@ class DraftVerifyTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         # ids of datasets the trainer loaded as its training split
         self._training_datasets = set()
-        # sentences the non-training batch iterators handed out so far
-        self.expected_sentences = 0
+        get_decoding(cfg.decoding) if cfg.decoding != AUTOREGRESSIVE else None  # a clear error now
+        # sentences the non-training batch iterators handed out, and decoded
+        self.sentence_counter = SentenceCounter()
+
+    @property
+    def expected_sentences(self) -> int:
+        return self.sentence_counter.expected
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
@@ -135,18 +156,43 @@ class DraftVerifyTask(TranslationTask):
         return model
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
-        if self.cfg.decoding == "autoregressive" or getattr(args, "score_reference", False):
+        if self.cfg.decoding == AUTOREGRESSIVE or getattr(args, "score_reference", False):
             if any(getattr(m, "is_block_drafter", False) for m in models):
                 raise ValueError(
-                    "a specdec_nat drafter was given in --path but --decoding is "
+                    "a drafter was given in --path but --decoding is "
                     "'autoregressive'; use --decoding draft-verify"
                 )
+            if not getattr(args, "score_reference", False):
+                self.check_no_speculative_options()
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         from ..generation.build import build_speculative_generator
 
         return build_speculative_generator(self, models, args)
+
+    #: (option, default) pairs that only speculative decodings read
+    SPECULATIVE_OPTIONS = (
+        ("drafter_path", None),
+        ("verify_beta", 1),
+        ("verify_tau", 0.0),
+        ("verify_score", "verifier"),
+        ("adaptive_draft", False),
+        ("draft_min_confidence", 0.0),
+        ("block_size", None),
+    )
+
+    def check_no_speculative_options(self) -> None:
+        """Refuse options that fairseq's own decoding would silently ignore."""
+        for name, default in self.SPECULATIVE_OPTIONS:
+            value = getattr(self.cfg, name, default)
+            if value != default:
+                option = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{option} {value} applies to speculative decodings only, but --decoding is "
+                    f"'{AUTOREGRESSIVE}': add --decoding draft-verify (or another speculative "
+                    "decoding), or drop the option"
+                )
 
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
         super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
@@ -221,5 +267,5 @@ class DraftVerifyTask(TranslationTask):
         )
         if not training:
             shard = itr.frozen_batches[shard_id::num_shards]
-            self.expected_sentences += sum(len(batch) for batch in shard)
+            self.sentence_counter.expect(sum(len(batch) for batch in shard))
         return itr

@@ -1,0 +1,108 @@
+"""The per-batch state of the speculative loop, and the feedback drafters get.
+
+One :class:`DecodingState` per ``generate()`` call owns everything that
+describes the rows still being decoded; drafters read it (never write it).
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Feedback:
+    """What every drafter hears after each verification (``Drafter.update``).
+
+    ``drafted``: B, drafts verified per row (0 where a row had no draft);
+    ``accepted``: B, drafts kept per row (host ints); ``n_new``: B tensor, tokens
+    added per row (the accepted drafts, then the verifier's own token, cut at
+    a first EOS); ``features``: B x m x C, the verifier's final decoder states
+    of this pass (slot j read input j: the previous newest token, then the
+    drafts), so ``features[r, n_new[r] - 1]`` is the state that predicted
+    row r's newest token."""
+
+    drafted: List[int]
+    accepted: List[int]
+    n_new: Tensor
+    features: Optional[Tensor]
+
+
+class DecodingState:
+    """Accepted output and bookkeeping of the active rows of one batch.
+
+    Invariants between two iterations, for active row ``i``:
+
+    * ``tokens[i, 0]`` is the BOS; ``tokens[i, 1 : lengths[i] + 1]`` are the
+      accepted output tokens; ``pos_scores`` holds their log-probs at the same
+      columns; columns past ``lengths[i]`` are scratch;
+    * ``lengths`` (device) and ``lengths_host`` (host) are equal, and equal
+      the number of entries the verifier's self-attention cache holds for the
+      row (every accepted token but the newest, plus the BOS);
+    * ``cum[i]`` is the running score of the accepted tokens, accumulated in
+      float32 one token at a time as fairseq's SequenceGenerator does;
+    * ``rows[i]`` is the row's index in the original batch;
+    * ``encoder_out`` is the verifier's encoder output of the active rows;
+    * ``draft_k[i]`` is how many tokens the row's next draft may have.
+
+    :meth:`keep` retires rows everywhere at once: these tensors, the
+    verifier's caches and the drafter's per-row state.
+    """
+
+    def __init__(self, sample: Dict, encoder_out, width: int, pad: int, bos: int, draft_k: int):
+        src_tokens = sample["net_input"]["src_tokens"]
+        bsz = src_tokens.size(0)
+        device = src_tokens.device
+        self.sample = sample
+        self.net_input = sample["net_input"]
+        self.device = device
+        self.encoder_out = encoder_out
+        self.tokens = torch.full((bsz, width), pad, dtype=torch.long, device=device)
+        self.tokens[:, 0] = bos
+        self.pos_scores = torch.zeros((bsz, width), dtype=torch.float, device=device)
+        self.lengths = torch.zeros(bsz, dtype=torch.long, device=device)
+        self.lengths_host: List[int] = [0] * bsz
+        self.cum = torch.zeros(bsz, dtype=torch.float, device=device)
+        self.rows: List[int] = list(range(bsz))
+        self.draft_k: List[int] = [draft_k] * bsz
+        self.src_tokens = src_tokens
+        self._listeners = []
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def on_keep(self, listener) -> None:
+        """``listener(order: Tensor, order_host: List[int])`` runs at every
+        :meth:`keep` (the verifier and the drafter register here)."""
+        self._listeners.append(listener)
+
+    def last_tokens(self) -> Tensor:
+        """B x 1: each row's newest accepted token (the BOS before any)."""
+        return self.tokens.gather(1, self.lengths.unsqueeze(1))
+
+    def commit(self, new_tokens: Tensor, new_lprobs: Tensor, n_new: Tensor, n_new_host: List[int], cum: Tensor) -> None:
+        """Append ``n_new[i]`` of ``new_tokens[i]`` to row i.  Columns past
+        ``n_new`` are written too and stay scratch."""
+        cols = self.lengths.unsqueeze(1) + 1 + torch.arange(new_tokens.size(1), device=self.device)
+        self.tokens.scatter_(1, cols, new_tokens)
+        self.pos_scores.scatter_(1, cols, new_lprobs)
+        self.cum = cum
+        self.lengths = self.lengths + n_new
+        self.lengths_host = [n + d for n, d in zip(self.lengths_host, n_new_host)]
+
+    def keep(self, keep_host: List[int]) -> None:
+        """Keep only the active rows ``keep_host`` (indices into the active rows)."""
+        if len(keep_host) == self.size:
+            return
+        order = torch.tensor(keep_host, dtype=torch.long, device=self.device)
+        self.tokens = self.tokens.index_select(0, order)
+        self.pos_scores = self.pos_scores.index_select(0, order)
+        self.lengths = self.lengths.index_select(0, order)
+        self.cum = self.cum.index_select(0, order)
+        self.lengths_host = [self.lengths_host[i] for i in keep_host]
+        self.rows = [self.rows[i] for i in keep_host]
+        self.draft_k = [self.draft_k[i] for i in keep_host]
+        self.src_tokens = self.src_tokens.index_select(0, order)
+        for listener in self._listeners:
+            listener(order, keep_host)
