@@ -5,7 +5,8 @@
 # (input-guided decoding copies source tokens into the output).
 
 : "${THREADS:=1}"
-: "${CORRECTOR_MINUTES:=20}"
+: "${CORRECTOR_UPDATES:=1000}"     # training budget (about 20 minutes on 1 thread)
+: "${CORRECTOR_MAX_MINUTES:=40}"  # safety cap only: the log says when it cut training short
 : "${BPE_MERGES:=8000}"
 
 # the corrector is the Multi30k verifier's transformer (same arguments)

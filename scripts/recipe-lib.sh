@@ -5,20 +5,29 @@ log() { echo "[$LOG_TAG $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*";
 
 hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
 
-# train NAME MINUTES DATA_DIR ARGS...: one bounded, resumable fairseq-train run
-# into $OUT/NAME (log $OUT/NAME.log); skipped once $OUT/NAME/DONE exists.
-# fairseq counts --stop-time-hours over restarts, so an interrupted run resumes
-# from checkpoint_last.pt with the time it has left.  The plugin is always
-# loaded: without it, torch's safe loader refuses fairseq's own checkpoints, so
-# even a plain `--task translation` run could not resume.
+# train NAME UPDATES MINUTES DATA_DIR ARGS...: one resumable fairseq-train run
+# into $OUT/NAME (log $OUT/NAME.log), budgeted by UPDATES (--max-update, seeded)
+# so that the model is the same on any machine; MINUTES is only a safety cap
+# (--stop-time-hours) and the log says so when it cut the run short.  Skipped
+# once $OUT/NAME/DONE exists.  fairseq counts --stop-time-hours over restarts,
+# so an interrupted run resumes from checkpoint_last.pt with the time it has
+# left.  The plugin is always loaded: without it, torch's safe loader refuses
+# fairseq's own checkpoints, so even a plain `--task translation` run could not
+# resume.
 train() {
-  local name=$1 minutes=$2 data=$3; shift 3
+  local name=$1 updates=$2 minutes=$3 data=$4; shift 4
   if [ -f "$OUT/$name/DONE" ]; then log "$name: done before"; return; fi
-  log "$name: training for at most $minutes minutes (log: $OUT/$name.log)"
+  log "$name: training for $updates updates, at most $minutes minutes (log: $OUT/$name.log)"
   fairseq-train "$data" --user-dir "$HERE/fairseq_specdec" "$@" --save-dir "$OUT/$name" --cpu \
-    --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
+    --max-update "$updates" --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
     --num-workers 0 --seed 1 >> "$OUT/$name.log" 2>&1
   grep "valid on" "$OUT/$name.log" | tail -2 | sed 's/^/  /'
+  local done_updates
+  done_updates=$(sed -n 's/.*| num_updates \([0-9]*\).*/\1/p' "$OUT/$name.log" | tail -1)
+  if [ "${done_updates:-0}" -lt "$updates" ]; then
+    log "WARNING: $name stopped by the $minutes-minute safety cap at ${done_updates:-0} of $updates updates:" \
+        "this model is weaker than the recipe's, and figures from it will not match the README"
+  fi
   touch "$OUT/$name/DONE"
 }
 

@@ -57,7 +57,7 @@ stage_data() {
 }
 
 stage_train() {
-  train corrector "$CORRECTOR_MINUTES" "$OUT/bin" "${CORRECTOR_ARGS[@]}"
+  train corrector "$CORRECTOR_UPDATES" "$CORRECTOR_MAX_MINUTES" "$OUT/bin" "${CORRECTOR_ARGS[@]}"
 }
 
 stage_benchmark() {

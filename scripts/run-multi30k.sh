@@ -34,7 +34,7 @@ stage_prepare() {
 
 stage_verifier() {
   OMP_NUM_THREADS=$VERIFIER_THREADS MKL_NUM_THREADS=$VERIFIER_THREADS \
-    train verifier "$VERIFIER_MINUTES" "$DATA/bin" "${VERIFIER_ARGS[@]}"
+    train verifier "$VERIFIER_UPDATES" "$VERIFIER_MAX_MINUTES" "$DATA/bin" "${VERIFIER_ARGS[@]}"
 }
 
 stage_distill() {
@@ -44,12 +44,12 @@ stage_distill() {
 }
 
 stage_drafter() {
-  train drafter "$DRAFTER_MINUTES" "$OUT/distill/bin" "${DRAFTER_ARGS[@]}" \
+  train drafter "$DRAFTER_UPDATES" "$DRAFTER_MAX_MINUTES" "$OUT/distill/bin" "${DRAFTER_ARGS[@]}" \
     --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
 stage_blockwise() {
-  train blockwise "$BLOCKWISE_MINUTES" "$OUT/distill/bin" "${BLOCKWISE_ARGS[@]}" \
+  train blockwise "$BLOCKWISE_UPDATES" "$BLOCKWISE_MAX_MINUTES" "$OUT/distill/bin" "${BLOCKWISE_ARGS[@]}" \
     --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
