@@ -9,10 +9,18 @@ function here is idempotent.
    (:data:`CHECKPOINT_SAFE_GLOBALS`) with ``torch.serialization.add_safe_globals``;
    the safe unpickler stays on, so loading a checkpoint never executes
    arbitrary pickled code.  ``torch.load`` is wrapped (not fairseq) only to
-   (a) turn the unpickler's refusal into an error that names the global and the
-   opt-in, and (b) honour that opt-in: files listed in the environment variable
+   (a) turn the unpickler's refusal into an error that names the file, the
+   global and the opt-in (:class:`UntrustedCheckpointError`, whatever torch's
+   wording: a global outside the allowlist, or one from a module torch
+   blocks such as ``posix.system``), and never repeats torch's advice to load
+   with ``weights_only=False``; a file that cannot be read at all (empty,
+   truncated, corrupt) gets a :class:`CheckpointLoadError` that names it;
+   (b) honour that opt-in: files listed in the environment variable
    ``SPECDEC_TRUSTED_CHECKPOINTS`` (``os.pathsep``-separated paths) or passed
-   to :func:`trust_checkpoint` are loaded with ``weights_only=False``.
+   to :func:`trust_checkpoint` are loaded with ``weights_only=False``; and
+   (c) refuse ``from_pretrained(..., task='draft_verify', decoding=...)``
+   with flat keywords on a checkpoint trained with another task, which
+   fairseq would otherwise ignore silently (:func:`_check_task_override`).
 
 2. Logging.  Importing ``fairseq.models`` runs ``logging.basicConfig(level=DEBUG)``
    (in ``wav2vec2_classification.py``) before the command-line tools configure
@@ -26,8 +34,10 @@ import argparse
 import functools
 import logging
 import os
+import pickle
+import re
 import sys
-from typing import Iterable, Set
+from typing import Iterable, Optional, Set
 
 import numpy as np
 import torch
@@ -90,6 +100,62 @@ class UntrustedCheckpointError(RuntimeError):
     """A checkpoint needs a global that the safe loader does not allow."""
 
 
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint file that cannot be read: empty, truncated, corrupt, or
+    not written by ``torch.save``."""
+
+
+#: torch's safe unpickler refusing an object outside the allowlist: a named
+#: global ("Unsupported global: GLOBAL m.f ..." or "unsupported GLOBAL m.f
+#: whose module m is blocked"), or a call/instance of something not allowed
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_REFUSED_OBJECT = re.compile(r"(unrecognized function .*|Can only (?:create new object|build) .* but got .*)")
+
+
+#: torch's RuntimeErrors for a file that is not a readable zip checkpoint
+_UNREADABLE_ZIP = ("PytorchStreamReader", "zip archive")
+
+
+def _unpickler_detail(msg: str) -> str:
+    """torch's own reason, without its header, its advice to load with
+    ``weights_only=False`` and its pointer to the documentation."""
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    lines = [
+        ln.split("WeightsUnpickler error:", 1)[-1].strip()
+        for ln in lines
+        if "weights_only" not in ln and not ln.startswith("Check the documentation")
+    ]
+    lines = [ln for ln in lines if ln]
+    return lines[-1] if lines else msg.splitlines()[0] if msg else "no detail"
+
+
+def _refusal(path: str, f, msg: str) -> Exception:
+    """The plugin's error for a failed :func:`torch.load` of ``path``: the file
+    is named, and torch's advice to disable the safe loader is never repeated."""
+    shown = path or repr(f)
+    if "Weights only load failed" in msg:
+        detail = _unpickler_detail(msg)
+        refused = _REFUSED_GLOBAL.search(msg) or _REFUSED_OBJECT.search(msg)
+        if refused:
+            what = refused.group(1) if refused.re is _REFUSED_GLOBAL else refused.group(0)
+            return UntrustedCheckpointError(
+                f"refusing to load checkpoint {shown} with torch's safe loader: it needs "
+                f"{what}, which is not allowed ({detail})\nfairseq-specdec allows only the "
+                "globals stock fairseq checkpoints contain. If you trust this file "
+                "(unpickling may run arbitrary code), opt in for it alone with\n"
+                f"    export {TRUST_ENV_VAR}={path or '/path/to/checkpoint.pt'}\n"
+                "(several files separated by ':'), or call "
+                "fairseq_specdec.compat.trust_checkpoint(path) in Python."
+            )
+        reason = detail
+    else:
+        reason = msg.splitlines()[0] if msg else "unexpected end of file"
+    return CheckpointLoadError(
+        f"cannot load checkpoint {shown}: {reason.rstrip('.')}. The file is empty, truncated or "
+        "corrupt, or was not written by torch.save (fairseq-train writes checkpoint_*.pt)."
+    )
+
+
 def _wrap_torch_load(original):
     @functools.wraps(original)
     def load(f, *args, **kwargs):
@@ -101,29 +167,71 @@ def _wrap_torch_load(original):
         ):
             kwargs["weights_only"] = False
         try:
-            return original(f, *args, **kwargs)
-        except Exception as exc:  # torch raises pickle.UnpicklingError
+            state = original(f, *args, **kwargs)
+        except OSError:  # a missing or unreadable file: the error names it already
+            raise
+        except (pickle.UnpicklingError, EOFError, RuntimeError) as exc:
             msg = str(exc)
-            # only a refused global is a trust question; a corrupt or foreign
-            # file keeps torch's own error
-            if "Weights only load failed" not in msg or "Unsupported global" not in msg:
-                raise
-            detail = next(
-                (ln.strip() for ln in msg.splitlines() if "Unsupported global" in ln),
-                msg.splitlines()[0],
-            )
-            raise UntrustedCheckpointError(
-                f"refusing to load checkpoint {path or f!r} with torch's safe "
-                f"loader: {detail}\nfairseq-specdec allows only the globals "
-                "stock fairseq checkpoints contain. If you trust this file "
-                "(unpickling may run arbitrary code), opt in for it alone with\n"
-                f"    export {TRUST_ENV_VAR}={path or '/path/to/checkpoint.pt'}\n"
-                "(several files separated by ':'), or call "
-                "fairseq_specdec.compat.trust_checkpoint(path) in Python."
-            ) from exc
+            unreadable = not isinstance(exc, RuntimeError) or any(s in msg for s in _UNREADABLE_ZIP)
+            if "Weights only load failed" not in msg and not unreadable:
+                raise  # e.g. a CUDA tensor without CUDA: torch's error is the right one
+            raise _refusal(path, f, msg) from exc
+        _check_task_override(path, state, sys._getframe(1))
+        return state
 
     load._specdec_wrapped = True
     return load
+
+
+#: the tasks this plugin registers (a flat ``task=`` override naming one of
+#: them is checked by :func:`_check_task_override`)
+PLUGIN_TASKS = ("draft_verify",)
+
+
+def _checkpoint_task(state) -> Optional[str]:
+    if not isinstance(state, dict):
+        return None
+    if state.get("cfg") is not None:
+        task = state["cfg"].get("task") if hasattr(state["cfg"], "get") else None
+        return task.get("_name") if task is not None and hasattr(task, "get") else None
+    if state.get("args") is not None:
+        return getattr(state["args"], "task", None)
+    return None
+
+
+def _check_task_override(path: str, state, caller) -> None:
+    """Refuse ``from_pretrained(..., task='draft_verify', decoding=...)`` with
+    flat keywords on a checkpoint trained with another task.
+
+    fairseq's ``from_pretrained`` passes its keywords to
+    ``checkpoint_utils.load_checkpoint_to_cpu`` as ``arg_overrides``, and
+    ``overwrite_args_by_name`` sets only options that the checkpoint's
+    configuration already has: a string ``task`` does not change a stored
+    task, so ``decoding``, ``drafter_path`` and the other options of
+    ``draft_verify`` would be dropped without a word, and the model would
+    decode with its training task.  (Checkpoints that store ``args``, not
+    ``cfg``, take every override, and are not refused.)"""
+    if caller.f_code.co_name != "load_checkpoint_to_cpu" or caller.f_globals.get("__name__") != "fairseq.checkpoint_utils":
+        return
+    overrides = caller.f_locals.get("arg_overrides") or {}
+    task = overrides.get("task") if isinstance(overrides, dict) else None
+    if not isinstance(task, str) or task not in PLUGIN_TASKS:
+        return
+    if not isinstance(state, dict) or state.get("cfg") is None:
+        return
+    trained = _checkpoint_task(state)
+    if trained == task:
+        return
+    raise ValueError(
+        f"from_pretrained(..., task={task!r}) cannot switch checkpoint {path}, trained with "
+        f"--task {trained}, to the {task} task: fairseq applies flat keywords only to options "
+        f"the checkpoint already has, so the {task} options (decoding=, drafter_path=, ...) "
+        "would be dropped silently. Use\n"
+        "    fairseq_specdec.hub.from_pretrained(model_dir, checkpoint_file=..., "
+        "data_name_or_path=..., decoding='draft-verify', drafter_path=...)\n"
+        f"or give the task as a dict: task={{'_name': {task!r}, 'data': DATA_DIR, "
+        "'decoding': 'draft-verify', 'drafter_path': ...}"
+    )
 
 
 def install_safe_checkpoint_loading() -> None:
@@ -196,6 +304,7 @@ def install() -> None:
 
 __all__: Iterable[str] = [
     "CHECKPOINT_SAFE_GLOBALS",
+    "CheckpointLoadError",
     "TRUST_ENV_VAR",
     "UntrustedCheckpointError",
     "install",

@@ -189,3 +189,56 @@ def test_restore_keeps_foreign_handlers():
             root.removeHandler(h)
         for h in saved_handlers:
             root.addHandler(h)
+
+
+def test_global_of_a_blocked_module_gets_the_plugins_message(tmp_path):
+    """torch words a global from a module it blocks (posix.system) differently
+    from an unknown one; both must get the plugin's message, never torch's
+    advice to load with weights_only=False, and nothing may run."""
+    marker = tmp_path / "pwned"
+
+    class SystemPayload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "system.pt"
+    torch.save({"model": {}, "x": SystemPayload()}, path)
+    with pytest.raises(UntrustedCheckpointError) as err:
+        torch.load(str(path))
+    msg = str(err.value)
+    assert f"{os.system.__module__}.system" in msg  # names the global (posix.system)
+    assert H.TRUST_ENV in msg and str(path) in msg
+    assert "weights_only=False" not in msg and "weights_only` set to `False" not in msg
+    assert not marker.exists()
+
+
+def _truncated_checkpoint(path):
+    torch.save({"model": {"w": torch.ones(64)}}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: p.write_bytes(b""),
+        lambda p: p.write_bytes(b"not a checkpoint"),
+        _truncated_checkpoint,
+    ],
+    ids=["empty", "junk", "truncated"],
+)
+def test_unreadable_checkpoint_error_names_the_file(tmp_path, make):
+    """Through torch.load and through fairseq's own loader (which passes a
+    file object): the error names the file, blames no missing opt-in and
+    never advises disabling the safe loader."""
+    from fairseq import checkpoint_utils
+
+    path = tmp_path / "corrupt_checkpoint.pt"
+    make(path)
+    for load in (lambda: torch.load(str(path)), lambda: checkpoint_utils.load_checkpoint_to_cpu(str(path))):
+        with pytest.raises(Exception) as err:
+            load()
+        msg = str(err.value)
+        assert str(path) in msg, f"{type(err.value).__name__}: {msg}"
+        assert not isinstance(err.value, (UntrustedCheckpointError, OSError)), msg
+        assert "weights_only" not in msg and H.TRUST_ENV not in msg, msg
