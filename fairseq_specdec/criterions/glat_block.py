@@ -80,7 +80,7 @@ class GlatBlockCriterion(FairseqCriterion):
         if "block_mask" not in net_input or "block_target" not in sample:
             raise ValueError(
                 "criterion glat_block needs block-masked inputs: train with "
-                "--task draft_verify and a specdec_nat model"
+                "--task draft_verify and a specdec_nat or specdec_vsd model"
             )
         target = sample["block_target"]
         valid = net_input["block_mask"] & target.ne(self.padding_idx)
@@ -104,12 +104,19 @@ class GlatBlockCriterion(FairseqCriterion):
             return prev, loss_slots
 
         glancing = model.training and ratio > 0
+        # model-specific block inputs (e.g. the verifier's states for specdec_vsd)
+        extra = {
+            name: value
+            for name, value in net_input.items()
+            if name not in ("src_tokens", "src_lengths", "prev_output_tokens", "block_mask")
+        }
         logits, _ = model(
             net_input["src_tokens"],
             net_input["src_lengths"],
             net_input["prev_output_tokens"],
             block_mask=valid,
             glance=glance if glancing else None,
+            **extra,
         )
         lprobs = utils.log_softmax(logits, dim=-1)
         loss_target = target[loss_slots]

@@ -212,3 +212,71 @@ class BlockwiseHeadsDrafter(Drafter):
     def reorder(self, new_order):
         if self.pending is not None:
             self.pending = self.pending.index_select(0, new_order)
+
+
+class VerifierStateDrafter(Drafter):
+    """The ``specdec_vsd`` drafter: drafts k tokens from the verifier's own
+    work (its encoder output, and the final decoder state that predicted each
+    row's newest token, handed over in every :class:`Feedback`), in one pass
+    of ``1 + k`` rows; see :mod:`fairseq_specdec.models.specdec_vsd`.
+
+    Per batch it projects the cross-attention memory once and picks the
+    shortlist: the ``shortlist`` most frequent types (dictionary order) plus
+    the batch's source tokens when source and target share the dictionary.
+    It returns drafts with their (shortlist) log-probs, so the confidence cut
+    of ``--draft-min-confidence`` applies."""
+
+    def __init__(self, model, verifier_model, shortlist: int = 0):
+        model.check_verifier(verifier_model, "--drafter-path")
+        self.model = model
+        self.shortlist = shortlist if 0 < shortlist < model.num_types else 0
+        self.joined = (
+            verifier_model.encoder.embed_tokens.weight.data_ptr() == verifier_model.decoder.embed_tokens.weight.data_ptr()
+        )
+        self.blocked = (model.padding_idx, model.dictionary.bos())
+        self.full_weight_t = None
+        self.memory = None
+        self.ctx_states = None
+        self.vocab = None  # shortlist ids (None: every type)
+        self.weight_t = None
+        self.bias = None
+
+    def start_batch(self, state) -> None:
+        model = self.model
+        self.memory = model.source_memory(state.encoder_out)
+        self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
+        weight = model.output_weight
+        if self.shortlist:
+            ids = torch.arange(self.shortlist, device=weight.device)
+            if self.joined:
+                ids = torch.unique(torch.cat([ids, state.src_tokens.flatten()]))
+            self.vocab = ids
+            self.weight_t = weight.index_select(0, ids).t().contiguous()
+        else:
+            if self.full_weight_t is None:
+                self.full_weight_t = weight.t().contiguous()
+            self.vocab, self.weight_t = None, self.full_weight_t
+            ids = torch.arange(weight.size(0), device=weight.device)
+        blocked = (ids == self.blocked[0]) | (ids == self.blocked[1])
+        self.bias = torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device).masked_fill_(blocked, -math.inf)
+
+    def update(self, state, feedback) -> None:
+        features, n_new = feedback.features, feedback.n_new
+        index = (n_new - 1).view(-1, 1, 1).expand(-1, 1, features.size(-1))
+        self.ctx_states = features.gather(1, index).squeeze(1)
+
+    def propose(self, state, k):
+        states = self.model.block_states(
+            self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k
+        )
+        logits = torch.matmul(states, self.weight_t) + self.bias
+        lprobs, best = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
+        tokens = self.vocab[best] if self.vocab is not None else best
+        return tokens, lprobs
+
+    def reorder(self, new_order) -> None:
+        memory = self.memory
+        memory["layers"] = [(k.index_select(0, new_order), v.index_select(0, new_order)) for k, v in memory["layers"]]
+        for name in ("mask", "copy_keys", "copy_values", "copy_pad"):
+            memory[name] = memory[name].index_select(0, new_order)
+        self.ctx_states = self.ctx_states.index_select(0, new_order)

@@ -10,6 +10,7 @@
   batched with a multiple of 1, which keeps every sentence.
 """
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -136,13 +137,23 @@ class DraftVerifyTask(TranslationTask):
         if getattr(model, "is_block_drafter", False):
             # overwritten by the checkpoint's value when one is loaded
             model.train_block_size.fill_(self.train_block_size)
-            if self.cfg.init_from_verifier and not from_checkpoint:
+            if getattr(model, "reads_verifier_states", False):
+                if not from_checkpoint:
+                    if not self.cfg.init_from_verifier:
+                        raise ValueError(
+                            f"{type(model).__name__} reads its verifier's states: give the verifier "
+                            "checkpoint with --init-from-verifier"
+                        )
+                    model.init_from_verifier(self.frozen_verifier())
+            elif self.cfg.init_from_verifier and not from_checkpoint:
                 from ..models.init_from_verifier import init_drafter_from_verifier
 
                 init_drafter_from_verifier(
                     model, self.cfg.init_from_verifier, self.src_dict, self.tgt_dict
                 )
             if self.cfg.freeze_encoder and not from_checkpoint:
+                if not hasattr(model, "freeze_encoder"):
+                    raise ValueError(f"--freeze-encoder does not apply to {type(model).__name__} (it has no encoder)")
                 model.freeze_encoder()
         elif getattr(model, "has_blockwise_heads", False):
             if self.cfg.init_from_verifier and not from_checkpoint:
@@ -205,12 +216,36 @@ class DraftVerifyTask(TranslationTask):
     def train_block_size(self) -> int:
         return self.cfg.block_size if self.cfg.block_size is not None else DEFAULT_BLOCK_SIZE
 
+    def frozen_verifier(self):
+        """The ``--init-from-verifier`` model, loaded once, in eval mode and
+        without gradients: the teacher-forced states a ``specdec_vsd``
+        drafter trains on.  It is not part of the drafter (not saved with it)."""
+        if getattr(self, "_frozen_verifier", None) is None:
+            from fairseq import checkpoint_utils
+
+            path = self.cfg.init_from_verifier
+            if not path:
+                raise ValueError("training a specdec_vsd drafter needs its verifier: --init-from-verifier FILE")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"--init-from-verifier {path}: no such file")
+            models, _ = checkpoint_utils.load_model_ensemble([path], task=self)
+            verifier = models[0].eval()
+            for param in verifier.parameters():
+                param.requires_grad_(False)
+            self._frozen_verifier = verifier
+            logger.info(f"frozen verifier for the drafter's training inputs: {path}")
+        return self._frozen_verifier
+
     def add_block_inputs(self, sample, model, generator=None, draws=None):
         """Block-mask the targets of ``sample`` for a block drafter (a fresh
         random cut every call, unless ``draws`` fixes them; see
-        :func:`make_block_inputs`); other models get ``sample`` unchanged."""
+        :func:`make_block_inputs`, and :func:`make_state_block_inputs` for
+        drafters that read the verifier's states); other models get
+        ``sample`` unchanged."""
         if not getattr(model, "is_block_drafter", False) or sample is None or "target" not in sample:
             return sample
+        if getattr(model, "reads_verifier_states", False):
+            return self._add_state_block_inputs(sample, model, generator, draws)
         block = make_block_inputs(
             sample["target"], self.tgt_dict.pad(), model.mask_idx, self.train_block_size, generator, draws
         )
@@ -218,6 +253,27 @@ class DraftVerifyTask(TranslationTask):
         net_input["prev_output_tokens"] = block.prev_output_tokens
         net_input["block_mask"] = block.block_mask
         return {**sample, "net_input": net_input, "block_target": block.block_target}
+
+    def _add_state_block_inputs(self, sample, model, generator, draws):
+        from ..models.specdec_vsd import make_state_block_inputs
+
+        verifier = self.frozen_verifier()
+        param = next(model.parameters())
+        if next(verifier.parameters()).device != param.device:
+            verifier.to(param.device)
+        net_input = dict(sample["net_input"])
+        encoder_out, features = model.verifier_states(
+            verifier, net_input["src_tokens"], net_input["src_lengths"], net_input["prev_output_tokens"]
+        )
+        blocks = make_state_block_inputs(
+            sample["target"], self.tgt_dict.pad(), self.tgt_dict.eos(), model.mask_idx, self.train_block_size,
+            model.cfg.cuts_per_sentence, generator, draws,
+        )
+        block_target = blocks.pop("block_target")
+        net_input["prev_output_tokens"] = blocks.pop("prev_output_tokens")
+        net_input["block_mask"] = blocks.pop("block_mask")
+        net_input["state_blocks"] = dict(blocks, encoder_out=encoder_out, features=features)
+        return {**sample, "net_input": net_input, "block_target": block_target}
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         sample = self.add_block_inputs(sample, model)

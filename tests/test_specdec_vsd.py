@@ -1,0 +1,113 @@
+"""specdec_vsd: the drafter that reads its verifier's states.
+
+Block inputs at several cuts per sentence, training through stock
+fairseq-train (glat_block, the frozen verifier from --init-from-verifier),
+and strict draft-verify decoding with it identical to fairseq's --beam 1
+(fixed k, adaptive draft length, confidence cut, batch 1 and 16).
+"""
+import pytest
+import torch
+
+import specdec_helpers as H
+
+VSD_ARGS = [
+    "--task", "draft_verify", "--arch", "specdec_vsd", "--criterion", "glat_block",
+    "--embed-dim", "64", "--attention-heads", "2", "--ffn-embed-dim", "128",
+]
+
+
+def test_state_block_inputs_cover_cuts_targets_and_context():
+    from fairseq_specdec.models.specdec_vsd import make_state_block_inputs
+
+    pad, bos, mask = 1, 2, 99
+    # two sentences: lengths 4 and 2 (EOS = 2 ends each)
+    target = torch.tensor([[10, 11, 12, 2], [20, 2, pad, pad]])
+    blocks = make_state_block_inputs(target, pad, bos, mask, k=3, cuts_per_sentence=0)
+    got = {(r, c): (t, b) for r, c, t, b in zip(
+        blocks["rows"].tolist(), blocks["cuts"].tolist(), blocks["ctx_tokens"].tolist(), blocks["block_target"].tolist())}
+    # every cut 0..L-1 of each sentence, no other
+    assert sorted(got) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    # context token: BOS before any output, else the newest accepted token y[c]
+    assert got[(0, 0)] == (bos, [10, 11, 12])
+    assert got[(0, 2)] == (11, [12, 2, pad])
+    assert got[(0, 3)] == (12, [2, pad, pad])
+    assert got[(1, 1)] == (20, [2, pad, pad])
+    assert blocks["prev_output_tokens"].eq(mask).all() and blocks["block_mask"].all()
+
+
+def test_state_block_inputs_sample_cuts_and_fix_them_by_draws():
+    from fairseq_specdec.models.specdec_vsd import make_state_block_inputs
+
+    pad = 1
+    target = torch.tensor([[5] * 19 + [2], [6] * 9 + [2] + [pad] * 10])
+    g = torch.Generator().manual_seed(0)
+    blocks = make_state_block_inputs(target, pad, 2, 99, k=4, cuts_per_sentence=3, generator=g)
+    assert blocks["rows"].tolist() == [0, 0, 0, 1, 1, 1]
+    for r, c in zip(blocks["rows"].tolist(), blocks["cuts"].tolist()):
+        assert 0 <= c < (20 if r == 0 else 10)
+    draws = torch.tensor([0.3, 0.7], dtype=torch.double)
+    a = make_state_block_inputs(target, pad, 2, 99, 4, 3, draws=draws)
+    b = make_state_block_inputs(target, pad, 2, 99, 4, 3, draws=draws)
+    assert torch.equal(a["cuts"], b["cuts"])
+    # evenly spread: three different cuts per sentence
+    assert len(set(a["cuts"][:3].tolist())) == 3
+
+
+@pytest.fixture(scope="module")
+def vsd_training(toy_bin, ar_checkpoint, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("ckpt_vsd")
+    proc = H.run([
+        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *VSD_ARGS, "--block-size", "4",
+        "--init-from-verifier", ar_checkpoint, *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
+    ])
+    return str(save_dir / "checkpoint_last.pt"), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_vsd_trains_above_chance_and_is_small(vsd_training, ar_checkpoint):
+    path, log = vsd_training
+    import re
+
+    accs = [float(a) for a in re.findall(r"valid on 'valid' subset .*?block_acc ([0-9.]+)", log)]
+    assert accs, log[-3000:]
+    # the toy vocabulary has hundreds of types: chance is far below 20%
+    assert accs[-1] > 20.0, accs
+    state = torch.load(path, weights_only=False)
+    # the verifier is not saved inside the drafter
+    assert not any(name.startswith("verifier") or name.startswith("encoder") for name in state["model"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bsz", [1, 16])
+@pytest.mark.parametrize("extra", [[], ["--adaptive-draft"], ["--adaptive-draft", "--draft-min-confidence", "0.3"]])
+def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz, extra):
+    ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify", batch_size=bsz).stdout)
+    proc = H.generate(
+        toy_bin, ar_checkpoint, "--decoding", "draft-verify", "--drafter-path", vsd_training[0], *extra,
+        task="draft_verify", batch_size=bsz,
+    )
+    H.assert_same_hypotheses(ref, H.parse_generate(proc.stdout))
+    out = proc.stdout + proc.stderr
+    assert "specdec_vsd drafter" in out
+    # drafts get accepted: more than one token per verifier call
+    import re
+
+    tok = float(re.search(r"Tok\. ([0-9.]+)", out).group(1))
+    assert tok > 1.2, out[-2000:]
+
+
+@pytest.mark.slow
+def test_vsd_refuses_another_verifier(toy_bin, ar_checkpoint, vsd_training):
+    """A drafter is built for the verifier it was trained on, and refused
+    for a verifier whose output projection differs."""
+    from fairseq import checkpoint_utils
+
+    verifier, task = H.load_model(ar_checkpoint, toy_bin)
+    models, _ = checkpoint_utils.load_model_ensemble([vsd_training[0]], task=task)
+    drafter_model = models[0].eval()
+    drafter, description = drafter_model.build_drafter(verifier)
+    assert "specdec_vsd" in description
+    with torch.no_grad():
+        verifier.decoder.output_projection.weight[5, 0] += 1.0
+    with pytest.raises(ValueError, match="trained on another verifier"):
+        drafter_model.build_drafter(verifier)
