@@ -42,7 +42,9 @@ def check_generation_options(args) -> None:
     beam = getattr(args, "beam", 1)
     if beam != 1:
         raise ValueError(
-            f"speculative decoding is greedy and needs --beam 1 (got --beam {beam})"
+            f"speculative decoding is greedy and needs --beam 1 (got --beam {beam}); from "
+            "Python, translate(..., beam=1), or load the model with "
+            "fairseq_specdec.hub.from_pretrained, whose translate() decodes greedily"
         )
     for name, unsupported in UNSUPPORTED_OPTIONS:
         value = getattr(args, name, None)
@@ -52,13 +54,25 @@ def check_generation_options(args) -> None:
 
 def load_drafter(task, path: str, like):
     """Load a specdec_nat checkpoint with the task's dictionaries; placed on the
-    device and in the dtype of ``like`` (the verifier)."""
+    device and in the dtype of ``like`` (the verifier).  The model is loaded
+    once per task and file (the hub interface builds a generator at every
+    ``translate()``); a file changed on disk is loaded again."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--drafter-path {path}: no such file")
-    models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
-    drafter = models[0]
-    if not getattr(drafter, "is_block_drafter", False):
-        raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a specdec_nat drafter")
+    real, stat = os.path.realpath(path), os.stat(path)
+    key = (real, stat.st_mtime_ns, stat.st_size)
+    cache = getattr(task, "_specdec_drafters", None)
+    if cache is None:
+        cache = task._specdec_drafters = {}
+    drafter = cache.get(key)
+    if drafter is None:
+        models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
+        drafter = models[0]
+        if not getattr(drafter, "is_block_drafter", False):
+            raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a specdec_nat drafter")
+        for old in [k for k in cache if k[0] == real]:
+            del cache[old]
+        cache[key] = drafter
     param = next(like.parameters())
     return drafter.to(device=param.device, dtype=param.dtype).eval()
 
