@@ -97,27 +97,51 @@ class NATBlockDrafter(Drafter):
     it is identical to the verifier's (trained with ``--freeze-encoder``):
     the state's encoder output (the verifier's) is reused.  The drafter's
     log-probs are computed only ``with_scores`` (acceptance by drafter score
-    or a confidence cut); otherwise a draft is the argmax of the logits."""
+    or a confidence cut); otherwise a draft is the argmax of the logits.
+
+    A row whose source is longer than the drafter can read
+    (``model.max_source_length()``: trained with smaller
+    ``--max-source-positions``/``--max-target-positions`` than the verifier)
+    is never drafted: the loop takes greedy steps for it, as it does once a
+    prefix outgrows the drafter (``max_positions``).  Its own encoder reads
+    such a row as an empty source (EOS only), so that no position table is
+    indexed past its end."""
 
     def __init__(self, model, verifier_model=None, with_scores: bool = True):
         if not getattr(model, "is_block_drafter", False):
             raise ValueError(f"the drafter must be a specdec_nat model, got {type(model).__name__}")
         self.model = model
         self.max_positions = model.decoder.max_positions()
+        self.max_source_length = model.max_source_length()
         self.encoder_out = None  # own encoder's output; None: read the state's
         self.shares_encoder = verifier_model is not None and same_encoder(model, verifier_model)
         self.with_scores = with_scores
+        self.fits = None  # B bool: rows whose source the drafter reads (None: all)
 
     def start(self, net_input, bsz: int) -> None:
-        self.encoder_out = None if self.shares_encoder else self.model.encoder.forward_torchscript(net_input)
+        src_tokens = net_input["src_tokens"]
+        pad = self.model.encoder.padding_idx
+        fits = src_tokens.ne(pad).long().sum(dim=1) <= self.max_source_length
+        self.fits = None if bool(fits.all()) else fits
+        if self.shares_encoder:
+            self.encoder_out = None
+            return
+        if self.fits is not None:
+            # rows too long for the drafter: an EOS-only source (never drafted)
+            src_tokens = src_tokens.masked_fill(~fits.unsqueeze(1), pad)
+            src_tokens[~fits, -1] = self.model.encoder.dictionary.eos()
+            net_input = {**net_input, "src_tokens": src_tokens, "src_lengths": src_tokens.ne(pad).long().sum(dim=1)}
+        self.encoder_out = self.model.encoder.forward_torchscript(net_input)
 
     def propose(self, state, k):
         encoder_out = self.encoder_out if self.encoder_out is not None else state.encoder_out
-        return self.model.draft(encoder_out, state.tokens[:, 1:], state.lengths, k, self.with_scores)
+        return self.model.draft(encoder_out, state.tokens[:, 1:], state.lengths, k, self.with_scores, active=self.fits)
 
     def reorder(self, new_order):
         if self.encoder_out is not None:
             self.encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, new_order)
+        if self.fits is not None:
+            self.fits = self.fits.index_select(0, new_order)
 
 
 class SourceCopyDrafter(Drafter):

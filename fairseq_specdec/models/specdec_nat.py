@@ -5,7 +5,8 @@ predicts the k block tokens in parallel (paper 002, section 3.1):
 
 * the encoder is fairseq's own ``TransformerEncoderBase``, so a verifier's
   encoder and embeddings copy into it tensor for tensor
-  (``scripts/init-drafter-from-verifier.py``);
+  (``fairseq-train --task draft_verify --init-from-verifier VERIFIER.pt``,
+  :mod:`fairseq_specdec.models.init_from_verifier`);
 * the decoder has bidirectional self-attention (key padding mask only),
   learned positions, and a GLAT soft copy of the source embeddings into the
   mask slots;
@@ -17,6 +18,13 @@ unchanged.  The mask symbol is one extra embedding row, index
 every real token (``<unk>`` included) has the same id in drafter and
 verifier, and the mask can never be predicted: the output projection covers
 only the ``len(dictionary)`` real types.
+
+Positions: the decoder's learned position table has ``--max-target-positions``
+rows, and the soft copy looks up the *source* positions in it too.  A row
+whose source is longer than :meth:`SpecDecNATModel.max_source_length`, or
+whose prefix plus block is longer than the table, is never drafted (its
+draft is pad: the loop takes a greedy step for it) instead of indexing past
+the table.
 """
 import hashlib
 import logging
@@ -172,6 +180,16 @@ class SpecDecNATModel(TransformerModel):
             prev_output_tokens, block_mask = glance(first)
         return self.decoder(prev_output_tokens, encoder_out, block_mask=block_mask)
 
+    def max_source_length(self) -> int:
+        """Longest source (EOS included) this drafter reads: its encoder's
+        ``--max-source-positions`` and, with the soft copy, its decoder's
+        position table (``--max-target-positions``), which the copy indexes
+        with source positions."""
+        limit = self.encoder.max_positions()
+        if self.decoder.src_embedding_copy:
+            limit = min(limit, self.decoder.max_positions())
+        return limit
+
     def build_drafter(self, verifier, need_scores: bool = False):
         """The loop's drafter for this model: ``(drafter, description)``."""
         from ..generation.drafters import NATBlockDrafter
@@ -188,6 +206,7 @@ class SpecDecNATModel(TransformerModel):
         prefix_lengths: Tensor,
         k: int,
         with_scores: bool = True,
+        active: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """Propose the next ``k`` tokens after each row's prefix.
 
@@ -200,12 +219,21 @@ class SpecDecNATModel(TransformerModel):
             k: block size.
             with_scores: also return the drafter's log-probabilities (only
                 ``--verify-score drafter`` needs them).
+            active: B bool, the rows to draft (None: every row).  Rows that
+                are not active, and rows whose source (read from
+                ``encoder_out``) or prefix plus ``k`` does not fit the
+                drafter's positions, get pad (log-prob -inf): no draft.
 
         Returns:
             ``(tokens, log_probs)``, both B x k: the argmax token of each block
-            slot (never pad, BOS or the mask) and the drafter's log-probability
-            of it (None without ``with_scores``).
+            slot (never pad, BOS or the mask; pad for the rows not drafted)
+            and the drafter's log-probability of it (None without ``with_scores``).
         """
+        fits = self._fits(encoder_out, prefix_lengths, k)
+        if active is not None:
+            fits = fits & active
+        if not bool(fits.all()):
+            return self._draft_rows(fits, encoder_out, prefix_tokens, prefix_lengths, k, with_scores)
         bsz = prefix_tokens.size(0)
         pad = self.decoder.padding_idx
         max_prefix = int(prefix_lengths.max()) if bsz > 0 else 0
@@ -225,6 +253,31 @@ class SpecDecNATModel(TransformerModel):
             return logits.argmax(dim=-1), None
         lprobs = F.log_softmax(logits.float(), dim=-1)
         log_probs, tokens = lprobs.max(dim=-1)
+        return tokens, log_probs
+
+    def _fits(self, encoder_out, prefix_lengths: Tensor, k: int) -> Tensor:
+        """B bool: rows whose source and prefix + k fit the drafter's positions."""
+        fits = prefix_lengths + k <= self.decoder.max_positions()
+        pad_mask = encoder_out["encoder_padding_mask"]
+        if len(pad_mask) > 0:
+            src_lengths = (~pad_mask[0]).long().sum(dim=1)
+        else:
+            src_lengths = torch.full_like(prefix_lengths, encoder_out["encoder_out"][0].size(0))
+        return fits & (src_lengths <= self.max_source_length())
+
+    def _draft_rows(self, rows: Tensor, encoder_out, prefix_tokens, prefix_lengths, k: int, with_scores: bool):
+        """:meth:`draft` of the ``rows`` (B bool) only; pad elsewhere."""
+        tokens = prefix_tokens.new_full((prefix_tokens.size(0), k), self.decoder.padding_idx)
+        log_probs = torch.full(tokens.shape, -math.inf, device=tokens.device) if with_scores else None
+        index = rows.nonzero().squeeze(1)
+        if index.numel() > 0:
+            sub_out = self.encoder.reorder_encoder_out(encoder_out, index)
+            sub_tokens, sub_log_probs = self.draft(
+                sub_out, prefix_tokens.index_select(0, index), prefix_lengths.index_select(0, index), k, with_scores
+            )
+            tokens[index] = sub_tokens
+            if with_scores:
+                log_probs[index] = sub_log_probs
         return tokens, log_probs
 
 
