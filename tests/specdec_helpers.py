@@ -215,17 +215,6 @@ def batches(task, split, batch_size):
     return list(itr)
 
 
-def decode(generator, model, samples):
-    """{id: hypothesis dict} of ``generator`` on ``samples``."""
-    out = {}
-    for sample in samples:
-        hypos = generator.generate([model], sample)
-        for i, sid in enumerate(sample["id"].tolist()):
-            assert sid not in out
-            out[sid] = hypos[i][0]
-    return out
-
-
 # ---------------------------------------------------------------- in-process generation
 def run_generator(gen, model, samples, drafter=None):
     """{id: hypothesis} of ``gen`` on ``samples``; ``drafter.begin(ids)`` is
