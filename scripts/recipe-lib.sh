@@ -1,4 +1,5 @@
-# Shared helpers of the CPU recipes (sourced by run-multi30k.sh, run-gec-demo.sh).
+# Shared helpers of the recipes: log for every recipe (run-multi30k.sh,
+# run-gec-demo.sh, run-wmt.sh); train and raw_multi30k for the CPU recipes.
 # Needs: OUT (run directory), T0 (start time, seconds), LOG_TAG (log prefix).
 
 log() { echo "[$LOG_TAG $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*"; }

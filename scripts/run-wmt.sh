@@ -75,6 +75,13 @@ else
   GPU_LIST=(); for ((i = 0; i < NUM_GPUS; i++)); do GPU_LIST+=("$i"); done
 fi
 T0=$(date +%s)
+LOG_TAG=$NAME
+# log MESSAGE: the log line of every recipe ("[NAME HH:MM:SS +Nm] MESSAGE").
+# recipe-lib.sh's train() is the CPU recipes' (--cpu, a wall-clock cap, budget
+# in updates given to it); the WMT runs train on GPUs for the --max-update of
+# their configs and can be printed as a dry run, so they keep train_model below.
+# shellcheck source=recipe-lib.sh
+source "$HERE/scripts/recipe-lib.sh"
 
 # ----------------------------------------------------------------------------- helpers
 # q ARG...: the arguments shell-quoted (like Python's shlex.quote), space-separated
@@ -85,10 +92,8 @@ q() {
   done
   printf '%s' "${out% }"
 }
-log() {
-  if [ "$DRY" = 1 ]; then echo "# $*"
-  else echo "[$NAME $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*"; fi
-}
+# a dry run prints its log lines as comments
+if [ "$DRY" = 1 ]; then log() { echo "# $*"; }; fi
 # have FILE: the output exists (never true in a dry run, which prints everything)
 have() { [ "$DRY" = 0 ] && [ -e "$1" ]; }
 # run CMD...: print it (dry run) or run it
