@@ -25,5 +25,6 @@ setup(
         "matplotlib",
         "tqdm",
     ],
-    extras_require={"test": ["pytest"]},
+    # ct2: the optional CTranslate2 rows of the benchmark (--rows ...,ct2); never a dependency
+    extras_require={"test": ["pytest"], "ct2": ["ctranslate2"]},
 )

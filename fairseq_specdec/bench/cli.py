@@ -25,6 +25,10 @@ so every row is timed with the other core busy.
 its own strict and relaxed rows (``strict-LABEL@bs1``, ``b3t1-LABEL@bs1``,
 labelled ``draft-verify strict (LABEL)``) and its own sweep series.
 
+``--rows ...,ct2`` (and ``ct2-int8``) adds CTranslate2 greedy decoding of the
+same verifier, converted once into ``--out``/ct2-verifier, when the optional
+``ctranslate2`` package is installed (``pip install ctranslate2``).
+
 Example (the Multi30k demo models):
     scripts/benchmark.py --data runs/multi30k.en-de/distill/bin --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt \\
         --drafter runs/multi30k.en-de/drafter/checkpoint_selected.pt --tok-ref data/multi30k.en-de/tok/test_2016_flickr.de \\
@@ -37,10 +41,10 @@ import os
 import sys
 from typing import Dict, List, Optional
 
-from . import workers
+from . import ct2, workers
 from .plots import make_plots
 from .scoring import read_lines, score
-from .specs import BUILTIN_ROWS, RowSpecs, parse_drafters, resolve_rows
+from .specs import BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, resolve_rows
 
 logger = logging.getLogger("benchmark")
 DEVICES = ("auto", "cpu", "cuda")
@@ -132,7 +136,9 @@ def build_parser(decodings) -> argparse.ArgumentParser:
     parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
     parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
                         help=f"decoders to run: {', '.join(BUILTIN_ROWS)} (strict and relaxed: draft-verify with every "
-                             f"--drafter), or a registered decoding ({', '.join(decodings) or 'none registered'}, and any "
+                             f"--drafter), {' and '.join(OPTIONAL_ROWS)} (CTranslate2 greedy, float32 and int8, of the "
+                             f"same verifier; needs the ctranslate2 package), or a registered decoding "
+                             f"({', '.join(decodings) or 'none registered'}, and any "
                              "a --user-dir plugin registers); beam5 and beam1 are always needed for the ratios")
     parser.add_argument("--user-dir", help="a fairseq plugin directory imported before the rows are built and given "
                                            "to fairseq as --user-dir (it should import fairseq_specdec), e.g. one "
@@ -230,6 +236,8 @@ def main(argv=None):
     try:
         device = resolve_device(args.device)
         wanted = resolve_rows(args.rows, decodings, args.drafters, args.blockwise)
+        if any(kind in ct2.COMPUTE_TYPES for kind in wanted):
+            ct2.check_device(device)
     except ValueError as e:
         parser.error(str(e))
     batch_sizes = int_list(parser, "--batch-sizes", args.batch_sizes)
@@ -253,8 +261,12 @@ def main(argv=None):
 
     common = dict(data=args.data, src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit,
                   warmup=args.warmup, device=device, user_dir=args.user_dir)
+    ct2_dir = None
+    if any(kind in ct2.COMPUTE_TYPES for kind in wanted):
+        ct2_dir = ct2.convert(args.verifier, args.data, args.src, args.tgt, ct2.model_dir(args.out))
+        logger.info(f"CTranslate2: the verifier converted into {ct2_dir}")
     build = RowSpecs(common, args.verifier, args.drafters, args.blockwise, decodings,
-                     verify_score=args.verify_score, block_size=args.block_size)
+                     verify_score=args.verify_score, block_size=args.block_size, ct2_dir=ct2_dir)
     specs = build.main_rows(wanted, batch_sizes, relaxed_bs, grid)
     filler = build.filler()
 
@@ -292,6 +304,10 @@ def main(argv=None):
         "sentences": n_expected,
         "rows": rows,
     }
+    if ct2_dir:
+        import ctranslate2
+
+        results["ctranslate2"] = {"version": ctranslate2.__version__, "model": ct2_dir}
     if args.sweeps:
         sweep_specs = build.sweep_rows(sweep_bs, ks, beta_tau)
         logger.info(f"sweeps: {len(sweep_specs)} decoders")

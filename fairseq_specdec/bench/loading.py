@@ -19,36 +19,31 @@ def generate_argv(spec: Dict) -> list:
     return argv + list(spec.get("extra", []))
 
 
-def load_decoder(spec: Dict):
-    """Models, task and generator of one configuration, exactly as
-    ``fairseq-generate`` builds them, with threads pinned.  Returns
-    ``(task, models, generator, batches)``; ``batches()`` yields the test set
-    (its first ``spec["limit"]`` sentences) in fairseq's batch order, on the
-    spec's device (``"cpu"`` unless ``spec["device"]`` says ``"cuda"``)."""
+def setup_task(spec: Dict):
+    """fairseq-generate's parsed options and task for ``spec``, threads pinned:
+    ``(cfg, task)``, nothing loaded yet."""
     import torch
 
     torch.set_num_threads(spec["threads"])
     import fairseq_specdec  # noqa: F401
-    from fairseq import checkpoint_utils, options, tasks, utils
+    from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     parser = options.get_generation_parser()
     args = options.parse_args_and_arch(parser, generate_argv(spec))
     cfg = convert_namespace_to_omegaconf(args)
-    task = tasks.setup_task(cfg.task)
-    models, saved_cfg = checkpoint_utils.load_model_ensemble(
-        utils.split_paths(cfg.common_eval.path), task=task
-    )
-    use_cuda = spec.get("device", "cpu") == "cuda"
-    for model in models:
-        if use_cuda:
-            model.cuda()
-        model.eval()
-        model.prepare_for_inference_(cfg)
-    task.load_dataset(cfg.dataset.gen_subset, task_cfg=saved_cfg.task)
+    return cfg, tasks.setup_task(cfg.task)
+
+
+def batch_source(spec: Dict, task, cfg, max_positions, task_cfg=None):
+    """``batches()``: the test set (its first ``spec["limit"]`` sentences) in
+    fairseq's batch order at ``spec["batch_size"]``, on the spec's device.
+    Every row of one batch size, whatever decodes it, sees these batches."""
+    from fairseq import utils
+
+    task.load_dataset(cfg.dataset.gen_subset, task_cfg=task_cfg)
     dataset = task.dataset(cfg.dataset.gen_subset)
-    generator = task.build_generator(models, cfg.generation)
-    max_positions = utils.resolve_max_positions(task.max_positions(), *[m.max_positions() for m in models])
+    use_cuda = spec.get("device", "cpu") == "cuda"
     limit = spec.get("limit")
 
     def batches():
@@ -63,5 +58,31 @@ def load_decoder(spec: Dict):
             seen += len(sample["id"])
             yield utils.move_to_cuda(sample) if use_cuda else sample
 
-    return task, models, generator, batches
+    return batches
 
+
+def load_decoder(spec: Dict):
+    """Models, task and generator of one configuration, exactly as
+    ``fairseq-generate`` builds them, with threads pinned.  Returns
+    ``(task, models, generator, batches)``; ``batches()`` yields the test set
+    (its first ``spec["limit"]`` sentences) in fairseq's batch order, on the
+    spec's device (``"cpu"`` unless ``spec["device"]`` says ``"cuda"``)."""
+    from fairseq import checkpoint_utils, utils
+
+    cfg, task = setup_task(spec)
+    models, saved_cfg = checkpoint_utils.load_model_ensemble(
+        utils.split_paths(cfg.common_eval.path), task=task
+    )
+    use_cuda = spec.get("device", "cpu") == "cuda"
+    for model in models:
+        if cfg.common.fp16:  # as fairseq-generate: --fp16 casts every model to float16
+            model.half()
+        if use_cuda:
+            model.cuda()
+        model.eval()
+        model.prepare_for_inference_(cfg)
+    # the dataset is loaded after the checkpoint, with its task config, as fairseq-generate does
+    max_positions = utils.resolve_max_positions(task.max_positions(), *[m.max_positions() for m in models])
+    batches = batch_source(spec, task, cfg, max_positions, task_cfg=saved_cfg.task)
+    generator = task.build_generator(models, cfg.generation)
+    return task, models, generator, batches

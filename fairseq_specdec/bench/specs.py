@@ -9,8 +9,10 @@ threads, limit, warm-up, device, user dir).
 
 Row kinds (``--rows``): ``beam5`` and ``beam1`` (fairseq's own
 SequenceGenerator on the verifier), ``strict`` and ``relaxed`` (decoding
-``draft-verify`` with every ``--drafter``, strict and the beta:tau grid), and
-every decoding in the registry (:mod:`fairseq_specdec.generation.registry`),
+``draft-verify`` with every ``--drafter``, strict and the beta:tau grid),
+``ct2`` and ``ct2-int8`` (the verifier converted to CTranslate2, greedy;
+only when the ``ctranslate2`` package is installed, see
+:mod:`fairseq_specdec.bench.ct2`), and every decoding in the registry (:mod:`fairseq_specdec.generation.registry`),
 read when the rows are built.  A decoding's ``bench_model`` says which
 checkpoint its rows decode with: the verifier, the verifier then each
 drafter (one row per drafter), or the ``--blockwise`` checkpoint.
@@ -19,10 +21,14 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from . import ct2
+
 AUTOREGRESSIVE = "autoregressive"
 DRAFT_VERIFY = "draft-verify"
 #: row kinds of the benchmark itself; every registered decoding name is a row kind too
 BUILTIN_ROWS = ("beam5", "beam1", "strict", "relaxed")
+#: row kinds that need an optional package (never among the default rows)
+OPTIONAL_ROWS = tuple(ct2.COMPUTE_TYPES)
 #: where a decoding's rows take their --path from
 BENCH_MODELS = ("verifier", "verifier+drafter", "blockwise")
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
@@ -70,7 +76,8 @@ def parse_drafters(values: Optional[Sequence[str]]) -> List[DrafterArg]:
 
 
 def row_kinds(decodings: Mapping) -> List[str]:
-    return list(BUILTIN_ROWS) + [name for name in decodings if name not in BUILTIN_ROWS]
+    builtin = BUILTIN_ROWS + OPTIONAL_ROWS
+    return list(builtin) + [name for name in decodings if name not in builtin]
 
 
 def resolve_rows(value: str, decodings: Mapping, drafters: Sequence[DrafterArg], blockwise: Optional[str]) -> List[str]:
@@ -89,6 +96,9 @@ def resolve_rows(value: str, decodings: Mapping, drafters: Sequence[DrafterArg],
     if "beam5" not in wanted or "beam1" not in wanted:
         raise ValueError("--rows must include beam5 and beam1 (every speedup is a ratio to them)")
     for kind in wanted:
+        if kind in ct2.COMPUTE_TYPES:
+            ct2.require(kind)
+            continue
         model = "verifier+drafter" if kind in ("strict", "relaxed") else _bench_model(decodings, kind)
         if model == "verifier+drafter" and not drafters:
             raise ValueError(f"--rows {kind} needs --drafter")
@@ -110,8 +120,10 @@ class RowSpecs:
     """Builds the row specs of one benchmark run."""
 
     def __init__(self, common: Dict, verifier: str, drafters: Sequence[DrafterArg], blockwise: Optional[str],
-                 decodings: Mapping, verify_score: str = "verifier", block_size: Optional[int] = None):
+                 decodings: Mapping, verify_score: str = "verifier", block_size: Optional[int] = None,
+                 ct2_dir: Optional[str] = None):
         self.common = common
+        self.ct2_dir = ct2_dir
         self.verifier = verifier
         self.drafters = list(drafters)
         self.blockwise = blockwise
@@ -126,6 +138,13 @@ class RowSpecs:
     def autoregressive(self, name: str, label: str, bs: int, beam: int) -> Dict:
         """fairseq's own SequenceGenerator on the verifier."""
         return self._spec(name, label, AUTOREGRESSIVE, self.verifier, bs, beam=beam)
+
+    def ctranslate2(self, kind: str, bs: int) -> Dict:
+        """The verifier converted to CTranslate2 (``self.ct2_dir``), greedy, compute type of ``kind``."""
+        if not self.ct2_dir:
+            raise ValueError(f"--rows {kind}: no converted CTranslate2 model directory")
+        return dict(self._spec(f"{kind}@bs{bs}", ct2.LABELS[kind], "ctranslate2", self.ct2_dir, bs),
+                    engine="ctranslate2", compute_type=ct2.COMPUTE_TYPES[kind])
 
     def filler(self) -> Dict:
         """The discarded beam-1 decoder that keeps a core busy once fewer rows than jobs are left."""
@@ -165,6 +184,8 @@ class RowSpecs:
                     specs.append(self.autoregressive(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
                 elif kind == "strict":
                     specs += [self.draft_verify(d, f"strict@bs{bs}", "draft-verify strict", bs) for d in self.drafters]
+                elif kind in ct2.COMPUTE_TYPES:
+                    specs.append(self.ctranslate2(kind, bs))
                 elif kind == "relaxed":
                     if bs in relaxed_batch_sizes:
                         specs += [self.draft_verify(d, f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}",

@@ -48,6 +48,10 @@ def reset_statistics(generator) -> None:
 
 def run_worker(spec: Dict) -> Dict:
     """Decode the test set with one configuration; returns timings and hypotheses."""
+    if spec.get("engine") == "ctranslate2":  # a CTranslate2 row (fairseq_specdec.bench.ct2)
+        from .ct2 import run_ct2_worker
+
+        return run_ct2_worker(spec)
     task, models, generator, batches = load_decoder(spec)
     if spec.get("filler"):  # load for an idle core: decode until killed, report nothing
         while True:
@@ -69,15 +73,7 @@ def run_worker(spec: Dict) -> Dict:
             hyps[sid] = out[i][0]["tokens"].tolist()
             per_sentence_ms[sid] = dt / len(sample["id"])
     total = time.perf_counter() - start
-    tgt_dict = task.target_dictionary
-    result = {
-        "seconds": total,
-        "sentences": len(hyps),
-        "tokens": {str(k): v for k, v in hyps.items()},
-        "text": {str(k): tgt_dict.string(v[:-1] if v and v[-1] == tgt_dict.eos() else v) for k, v in hyps.items()},
-        "ms": {str(k): v for k, v in per_sentence_ms.items()},
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-    }
+    result = decoded_result(hyps, per_sentence_ms, total, task.target_dictionary)
     if device == "cuda":
         import torch
 
@@ -87,7 +83,25 @@ def run_worker(spec: Dict) -> Dict:
         # the timed pass only (the warm-up had its own statistics object)
         result.update(tok=stats.mean_accepted, iterations=stats.iterations, out_tokens=stats.tokens,
                       histogram={str(n): c for n, c in sorted(stats.histogram.items())}, summary=stats.summary())
-    else:  # autoregressive: one token per step
-        out_tokens = sum(len(v) for v in hyps.values())  # EOS included: one per decoder step
-        result.update(tok=1.0, iterations=out_tokens, out_tokens=out_tokens)
+    else:
+        result.update(one_token_per_step(hyps))
     return result
+
+
+def decoded_result(hyps: Dict[int, list], per_sentence_ms: Dict[int, float], seconds: float, tgt_dict) -> Dict:
+    """What every row reports of its timed pass: ``hyps`` (token ids, EOS
+    last) and ``per_sentence_ms`` keyed by sentence id, the pass's wall time."""
+    return {
+        "seconds": seconds,
+        "sentences": len(hyps),
+        "tokens": {str(k): v for k, v in hyps.items()},
+        "text": {str(k): tgt_dict.string(v[:-1] if v and v[-1] == tgt_dict.eos() else v) for k, v in hyps.items()},
+        "ms": {str(k): v for k, v in per_sentence_ms.items()},
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+
+
+def one_token_per_step(hyps: Dict[int, list]) -> Dict:
+    """Statistics of a decoder without speculation: one token (EOS included) per step."""
+    out_tokens = sum(len(v) for v in hyps.values())
+    return dict(tok=1.0, iterations=out_tokens, out_tokens=out_tokens)
