@@ -2,7 +2,8 @@
 timed one per process, scored and plotted.
 
 ``scripts/benchmark.py`` is :func:`fairseq_specdec.bench.cli.main`;
-``scripts/profile-draft-verify.py`` is :func:`fairseq_specdec.bench.profiling.main`.
+``scripts/profile-draft-verify.py`` is :func:`fairseq_specdec.bench.profiling.main`;
+``scripts/learning-curve.py`` is :func:`fairseq_specdec.bench.learning_curve.main`.
 
 * :mod:`.loading`  ``load_decoder``: task, models, generator and batches of one row spec
 * :mod:`.timing`   ``run_worker``: warm-up, the timed pass, statistics of the timed pass only
@@ -13,4 +14,6 @@ timed one per process, scored and plotted.
 * :mod:`.plots`    the PNG plots
 * :mod:`.cli`      options, checks, the table and the result files
 * :mod:`.profiling` where decoding time goes, component by component
+* :mod:`.ct2`      the optional CTranslate2 rows (the verifier converted, greedy)
+* :mod:`.learning_curve` Tok. and ms/sentence against drafter training minutes, per checkpoint
 """
