@@ -198,3 +198,87 @@ def test_cli_transformer_as_drafter(toy_bin, ar_checkpoint):
     proc = H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", ar_checkpoint,
                       task="draft_verify", check=False)
     _assert_failed_before_decoding(proc, "specdec_nat")
+
+
+# ---- issue 14: options of another decoding, messages ------------------------------
+
+
+def test_drafter_alone_in_path(toy_bin, tiny_drafter):
+    with pytest.raises(ValueError, match="--path holds only a drafter"):
+        build(toy_bin, [tiny_drafter[0]], *DV)
+
+
+def test_specdec_stats_into_a_missing_directory(toy_bin, untrained_verifier, random_drafter_checkpoint, tmp_path):
+    """Created as fairseq creates --results-path; the statistics are written there."""
+    stats = tmp_path / "new" / "dir" / "stats.jsonl"
+    gen = build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", random_drafter_checkpoint,
+                "--specdec-stats", str(stats))
+    model = untrained_verifier[0]
+    task = tasks.setup_task(H.generation_cfg(toy_bin, "--task", "draft_verify").task)
+    samples = H.batches(task, "test", 16)[:1]
+    H.run_generator(gen, model, samples)
+    gen.stats.close()
+    assert sorted(H.read_stats(stats)) == sorted(samples[0]["id"].tolist())
+
+
+def test_readme_documents_what_verify_tau_accepts():
+    """The README's option table agrees with the option: negative values are
+    refused (see the --verify-tau cases above), so the docs must not call the
+    option ignored."""
+    row = next(line for line in (H.ROOT / "README.md").read_text().splitlines() if line.startswith("| `--verify-tau"))
+    assert ">= 0" in row and "ignored" not in row.lower(), row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["--drafter-path", "missing.pt"], "--drafter-path"),
+        (["--verify-beta", "3"], "--verify-beta"),
+        (["--verify-tau", "1"], "--verify-tau"),
+        (["--adaptive-draft"], "--adaptive-draft"),
+    ],
+    ids=["drafter-path", "verify-beta", "verify-tau", "adaptive-draft"],
+)
+def test_cli_speculative_option_under_autoregressive(toy_bin, transformer_checkpoint, argv, option):
+    """fairseq's own decoding would ignore these: refused, naming the option."""
+    proc = H.generate(toy_bin, transformer_checkpoint, "--decoding", "autoregressive", *argv,
+                      task="draft_verify", check=False)
+    _assert_failed_before_decoding(proc, option, "speculative")
+
+
+@pytest.mark.slow
+def test_cli_negative_verify_tau(toy_bin, transformer_checkpoint, random_drafter_checkpoint):
+    proc = H.generate(toy_bin, transformer_checkpoint, *DV, "--drafter-path", random_drafter_checkpoint,
+                      "--verify-tau", "-1", task="draft_verify", check=False)
+    _assert_failed_before_decoding(proc, "--verify-tau")
+
+
+@pytest.mark.slow
+def test_cli_drafter_alone_in_path(toy_bin, random_drafter_checkpoint):
+    proc = H.generate(toy_bin, random_drafter_checkpoint, *DV, task="draft_verify", check=False)
+    _assert_failed_before_decoding(proc, "--path holds only a drafter")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["--path", "--drafter-path"])
+def test_cli_corrupt_checkpoint_is_named(toy_bin, transformer_checkpoint, tmp_path, where):
+    corrupt = tmp_path / "corrupt_model.pt"
+    data = open(transformer_checkpoint, "rb").read()
+    corrupt.write_bytes(data[: len(data) // 3])
+    if where == "--path":
+        proc = H.generate(toy_bin, corrupt, *DV, task="draft_verify", check=False)
+    else:
+        proc = H.generate(toy_bin, transformer_checkpoint, *DV, "--drafter-path", corrupt, task="draft_verify",
+                          check=False)
+    _assert_failed_before_decoding(proc, f"cannot load checkpoint {corrupt}")
+    assert "weights_only" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_specdec_stats_into_a_missing_directory(toy_bin, transformer_checkpoint, random_drafter_checkpoint, tmp_path):
+    stats = tmp_path / "not" / "yet" / "stats.jsonl"
+    proc = H.generate(toy_bin, transformer_checkpoint, *DV, "--drafter-path", random_drafter_checkpoint,
+                      "--max-len-b", "3", "--specdec-stats", stats, task="draft_verify", batch_size=16)
+    assert sorted(H.read_stats(stats)) == list(range(50))
+    assert sorted(H.parse_generate(proc.stdout)) == list(range(50))

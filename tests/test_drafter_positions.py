@@ -178,3 +178,19 @@ def test_interactive_with_a_drafter_shorter_than_the_sources(toy_bin, long_bin, 
     ref_hyps, got_hyps = H.parse_generate(ref.stdout), H.parse_generate(got.stdout)
     assert sorted(ref_hyps) == list(range(len(src)))
     H.assert_same_hypotheses(ref_hyps, got_hyps)
+
+
+def test_source_copy_drafter_with_empty_and_long_sources():
+    """Input-guided drafting reads no position table: an empty source (EOS
+    only) gives no draft, a long one at most k tokens."""
+    from fairseq_specdec.generation import SourceCopyDrafter
+
+    pad, eos = 1, 2
+    long_source = list(range(10, 50))
+    src_tokens = torch.tensor([[pad] * 40 + [eos], [pad] * 34 + [10, 11, 12, 13, 14, 15, eos], long_source + [eos]])
+    drafter = SourceCopyDrafter(pad, eos)
+    drafter.start({"src_tokens": src_tokens}, 3)
+    tokens = torch.full((3, 8), pad)
+    tokens[:, 0] = eos  # the BOS
+    drafts, _ = drafter.draft(tokens, torch.zeros(3, dtype=torch.long), 5)
+    assert drafts.tolist() == [[pad] * 5, [10, 11, 12, 13, 14], long_source[:5]]
