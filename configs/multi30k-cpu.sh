@@ -76,11 +76,30 @@ DRAFTER_ARGS=(
   --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 400 --warmup-init-lr 1e-7
   --max-tokens 4096 --max-epoch 60 --keep-last-epochs 5
   --glance-anneal-updates 3000
+  --save-interval-updates 100 --keep-interval-updates 10   # update-numbered checkpoints: the learning curve
 )
 if [ "$DRAFTER_VARIANT" = shared-encoder ]; then
   DRAFTER_ARGS=("${DRAFTER_ARGS[@]/--share-all-embeddings/--share-decoder-input-output-embed}"
                 --freeze-encoder --decoder-layers 2)
 fi
+
+# The recipe's default drafter: specdec_vsd reads the verifier's states (no
+# encoder of its own, no prefix recomputation, one block layer; see
+# fairseq_specdec/models/specdec_vsd.py).  It trains on the frozen verifier's
+# teacher-forced states over the greedy distillation, VSD_CUTS blocks per
+# sentence from one verifier pass (stage `vsd`, beside `drafter` and `blockwise`).
+: "${VSD_UPDATES:=400}"
+: "${VSD_MAX_MINUTES:=$DRAFTER_MAX_MINUTES}"
+: "${VSD_CUTS:=2}"          # 4 cuts at --max-tokens 4096 cost 4x per update (0.07 vs 0.12 updates/s of the paper drafter, 3 trainings on 2 cores)
+VSD_ARGS=(
+  --task draft_verify --arch specdec_vsd --criterion glat_block --block-size "$BLOCK_SIZE"
+  --embed-dim 256 --attention-heads 4 --ffn-embed-dim 1024 --layers 1 --cuts-per-sentence "$VSD_CUTS"
+  --dropout 0.1 --label-smoothing 0.1
+  --optimizer adam --adam-betas '(0.9, 0.98)' --weight-decay 0.0001 --clip-norm 5
+  --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 200 --warmup-init-lr 1e-7
+  --max-tokens 2048 --max-epoch 60 --keep-last-epochs 2
+  --save-interval-updates 100 --keep-interval-updates 10   # update-numbered checkpoints: the learning curve
+)
 
 # Blockwise parallel decoding (paper 004): k-1 = 3 heads on the frozen verifier,
 # trained on the distilled data (stage `blockwise`, run beside `drafter`).

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The Multi30k EN-DE CPU recipe, end to end (what `make demo` runs):
-#   prepare -> verifier (teacher) -> distill -> drafter (init from verifier,
-#   glat_block) + blockwise heads (paper 004), side by side -> average -> benchmark
+#   prepare -> verifier (teacher) -> distill -> drafters side by side: the
+#   paper's Spec-Drafter (init from verifier, glat_block), specdec_vsd (reads
+#   the verifier's states; the default drafter) and blockwise heads
+#   (paper 004) -> average -> benchmark
 # Every stage logs its progress and time, is skipped when its output exists,
 # and fairseq-train resumes from checkpoint_last.pt after an interruption.
 #
 # Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages in order;
-#   STAGE1+STAGE2 runs two stages at the same time, default drafter+blockwise;
+#   STAGE1+STAGE2 runs stages at the same time, default drafter+vsd+blockwise;
 #   the benchmark adds a blockwise row when that stage has run)
 # Environment: CONFIG (configs/multi30k-cpu.sh), OUT (runs/multi30k.SRC-TGT),
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
@@ -21,7 +23,7 @@ DATA=${DATA:-$HERE/data/multi30k.$SRC-$TGT}
 PY=${PYTHON:-python}
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 STAGES=("$@")
-[ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill drafter+blockwise average benchmark)
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill drafter+vsd+blockwise average benchmark)
 mkdir -p "$OUT"
 T0=$(date +%s)
 LOG_TAG=multi30k
@@ -45,6 +47,11 @@ stage_distill() {
 
 stage_drafter() {
   train drafter "$DRAFTER_UPDATES" "$DRAFTER_MAX_MINUTES" "$OUT/distill/bin" "${DRAFTER_ARGS[@]}" \
+    --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
+}
+
+stage_vsd() {
+  train vsd "$VSD_UPDATES" "$VSD_MAX_MINUTES" "$OUT/distill/bin" "${VSD_ARGS[@]}" \
     --init-from-verifier "$OUT/verifier/checkpoint_best.pt"
 }
 
@@ -91,13 +98,15 @@ stage_average() {
 
 stage_benchmark() {
   local raw; raw=$(raw_multi30k)
+  local rows=beam5,beam1,loop-greedy,strict,relaxed drafters=(--drafter "paper=$OUT/drafter/checkpoint_selected.pt")
+  [ -f "$OUT/vsd/checkpoint_last.pt" ] && drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")
   local extra=()
   if [ -f "$OUT/blockwise/checkpoint_best.pt" ]; then
-    extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt" --rows beam5,beam1,strict,relaxed,blockwise)
+    extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt"); rows=$rows,blockwise
   fi
   log "benchmark: 1,000 test sentences, every decoder, $BENCH_JOBS at a time (results in $OUT/benchmark)"
   "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" "${extra[@]}" \
-    --verifier "$OUT/verifier/checkpoint_best.pt" --drafter "$OUT/drafter/checkpoint_selected.pt" \
+    --verifier "$OUT/verifier/checkpoint_best.pt" "${drafters[@]}" --rows "$rows" --device cpu \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
     --out "$OUT/benchmark" --jobs "$BENCH_JOBS" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
 }
@@ -106,8 +115,8 @@ for group in "${STAGES[@]}"; do
   IFS=+ read -r -a parts <<< "$group"
   for stage in "${parts[@]}"; do
     case "$stage" in
-      prepare|verifier|distill|drafter|blockwise|average|benchmark) ;;
-      *) echo "unknown stage '$stage' (prepare verifier distill drafter blockwise average benchmark)" >&2; exit 2;;
+      prepare|verifier|distill|drafter|vsd|blockwise|average|benchmark) ;;
+      *) echo "unknown stage '$stage' (prepare verifier distill drafter vsd blockwise average benchmark)" >&2; exit 2;;
     esac
   done
 done

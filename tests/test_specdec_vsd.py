@@ -111,3 +111,24 @@ def test_vsd_refuses_another_verifier(toy_bin, ar_checkpoint, vsd_training):
         verifier.decoder.output_projection.weight[5, 0] += 1.0
     with pytest.raises(ValueError, match="trained on another verifier"):
         drafter_model.build_drafter(verifier)
+
+
+@pytest.mark.slow
+def test_profile_breaks_down_the_vsd_iteration(toy_bin, ar_checkpoint, vsd_training, tmp_path):
+    """scripts/profile-draft-verify.py with a specdec_vsd drafter: its own
+    components (block layers, feedback) are timed and everything adds up."""
+    import json
+
+    out = tmp_path / "profile.json"
+    H.run([
+        H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+        "--verifier", ar_checkpoint, "--drafter", vsd_training[0], "--limit", "20", "--warmup", "3", "--json", out,
+        "--extra", "--adaptive-draft",
+    ])
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["decoder"] == "draft-verify strict"]
+    by_name = {r["component"].split(" (")[0]: r for r in rows}
+    assert {"drafter pass", "of which: drafter block layers", "drafter feedback", "verifier pass"} <= set(by_name)
+    parts = [r for r in rows if r["component"] != "total" and not r["component"].startswith("of which")]
+    assert sum(r["ms_per_sentence"] for r in parts) == pytest.approx(by_name["total"]["ms_per_sentence"])
+    # one feedback per verification
+    assert by_name["drafter feedback"]["calls"] == by_name["verifier pass"]["calls"]

@@ -119,11 +119,18 @@ def greedy_components(generator):
 def draft_verify_components(generator):
     """(object, method, name[, required]) of the speculative loop's parts."""
     k = generator.block_size
+    drafter = generator.drafter
+    model = getattr(drafter, "model", None)
     yield generator.verifier, "encode", "verifier encoder"
-    yield generator.drafter, "start_batch", "drafter encoder"
-    yield generator.drafter, "propose", f"drafter pass (prefix + {k} masks)"
-    decoder = getattr(getattr(generator.drafter, "model", None), "decoder", None)
-    yield decoder, "output_layer", f"{SUB}drafter vocabulary projection ({k} rows)"
+    yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
+    if getattr(model, "reads_verifier_states", False):
+        yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
+        yield model, "block_states", f"{SUB}drafter block layers"
+        yield drafter, "update", "drafter feedback (the verifier's state)"
+    else:
+        yield drafter, "propose", f"drafter pass (prefix + up to {k} masks)"
+        decoder = getattr(model, "decoder", None)
+        yield decoder, "output_layer", f"{SUB}drafter vocabulary projection (up to {k} rows)"
     yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
     yield generator.verifier, "_projection", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
     yield generator.verifier, "rollback", "KV-cache rollback", False
@@ -150,7 +157,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="binarized data directory")
     parser.add_argument("--verifier", required=True, help="verifier checkpoint")
-    parser.add_argument("--drafter", required=True, help="specdec_nat drafter checkpoint")
+    parser.add_argument("--drafter", required=True, help="drafter checkpoint (specdec_nat or specdec_vsd)")
     parser.add_argument("--src", default="en")
     parser.add_argument("--tgt", default="de")
     parser.add_argument("--subset", default="test")
@@ -158,6 +165,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=10, help="sentences decoded before timing")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--block-size", type=int, default=None, help="k (default: the drafter's)")
+    parser.add_argument("--extra", default="",
+                        help="more fairseq-generate options for the draft-verify decoder, one string "
+                             "(e.g. \"--adaptive-draft --draft-min-confidence 0.3\")")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     for path in (args.verifier, args.drafter):
@@ -171,7 +181,7 @@ def main(argv=None):
                   limit=args.limit, batch_size=1, beam=1, device="cpu")
     greedy = dict(common, path=args.verifier, extra=["--decoding", "autoregressive"])
     dv = dict(common, path=f"{args.verifier}:{args.drafter}", extra=["--decoding", "draft-verify"]
-              + (["--block-size", str(args.block_size)] if args.block_size else []))
+              + (["--block-size", str(args.block_size)] if args.block_size else []) + args.extra.split())
 
     def calls(timers, prefix):
         return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]
