@@ -145,6 +145,8 @@ class SpeculativeGenerator:
         # (the task's SentenceCounter); the statistics line is logged when they meet
         self.progress = progress
         self.symbols_to_strip_from_output = {self.eos}
+        #: project every verified slot, even those no row reads (for measurements)
+        self.project_all = False
 
     def cuda(self):
         return self
@@ -225,9 +227,16 @@ class SpeculativeGenerator:
             draft_tokens, draft_lprobs = self._draft(state, max_len)
             k = draft_tokens.size(1)
             m = k + 1
-            # 2. verify, with fairseq's rules
-            lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state)
+            # 2. verify, with fairseq's rules; in a ragged batch the slots after
+            # a row's last draft are not projected (nothing reads them)
             offsets = torch.arange(m, device=state.device)
+            drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1) if k > 0 else None
+            needed = None
+            if n > 1 and k > 0:
+                needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
+                if self.project_all or bool(needed.all()):
+                    needed = None
+            lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
             self._mask_lprobs(lprobs, state, max_len)
             # running score before each slot along the draft path, accumulated in
             # float32 one token at a time exactly as SequenceGenerator does
@@ -260,7 +269,8 @@ class SpeculativeGenerator:
             n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
             last_new = (n_new - 1).unsqueeze(1)
             cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
-            drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1) if k > 0 else n_accepted
+            if drafted is None:
+                drafted = n_accepted
             n_new_host, done_host, accepted_host, drafted_host = torch.stack(
                 [n_new, has_eos.long(), n_accepted, drafted]
             ).tolist()

@@ -61,6 +61,7 @@ class CachedVerifier:
         self.last_features: Optional[Tensor] = None
         # fairseq's output_layer is output_projection(x) without adaptive softmax
         projection = getattr(decoder, "output_projection", None)
+        self.vocab_size = len(decoder.dictionary)
         self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
 
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
@@ -71,12 +72,15 @@ class CachedVerifier:
         self.incremental_state = {}
         self.last_features = None
 
-    def forward(self, tokens: Tensor, state) -> Tensor:
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
         """Log-probs (B x m x V, float) after each of the ``m`` new tokens.
 
         ``tokens[r, 0]`` is row r's newest accepted token and sits at index
         ``state.lengths[r]``; the others follow it.  Their keys/values are
-        appended to the cache; call :meth:`rollback` next.
+        appended to the cache; call :meth:`rollback` next.  ``needed`` (B x m
+        bool, optional): the slots whose log-probs the caller reads; the
+        others are not projected onto the vocabulary and read -inf (in a
+        ragged batch, the slots after a row's shorter draft).
         """
         dec = self.decoder
         bsz, m = tokens.shape
@@ -121,6 +125,16 @@ class CachedVerifier:
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
         self.last_features = x  # B x m x C: what drafters reading the verifier's states use
+        self._last_m = m
+        if needed is None:
+            return self._log_probs(x)
+        lprobs = x.new_full((bsz, m, self.vocab_size), -math.inf, dtype=torch.float)
+        lprobs[needed] = self._log_probs(x[needed]).float()
+        return lprobs
+
+    def _log_probs(self, x: Tensor) -> Tensor:
+        """The verifier's output layer, temperature and log-softmax."""
+        dec = self.decoder
         if self._projection is not None:
             proj = dec.output_projection
             logits = self._projection(x, proj.weight, proj.bias)
@@ -128,7 +142,6 @@ class CachedVerifier:
             logits = dec.output_layer(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
-        self._last_m = m
         return self.model.get_normalized_probs((logits, None), log_probs=True)
 
     def _cache_width(self) -> int:
