@@ -307,3 +307,18 @@ def test_cuda_rows_report_peak_gpu_memory(toy_bin, ar_checkpoint, nat_checkpoint
         assert r["peak_gpu_mb"] > 0 and r["peak_rss_mb"] > 0
     assert all(r["identical_to_beam1"] for r in results["rows"] if r["name"].startswith(("beam1", "strict")))
     assert "peak GPU MB" in (out / "results.md").read_text()
+
+
+def test_drafter_options_reach_only_their_drafters_rows():
+    """--drafter-options LABEL=OPTIONS: the same checkpoint under two labels
+    compares two settings; options naming no labelled drafter are refused."""
+    drafters = specs.parse_drafters(["fixed=d.pt", "adaptive=d.pt"], ["adaptive=--adaptive-draft --draft-min-confidence 0.3"])
+    assert drafters[0].options == () and drafters[1].options == ("--adaptive-draft", "--draft-min-confidence", "0.3")
+    for bad in (["nosuch=--adaptive-draft"], ["--adaptive-draft"]):
+        with pytest.raises(ValueError, match="--drafter-options"):
+            specs.parse_drafters(["fixed=d.pt"], bad)
+    common = dict(data="bin", src="en", tgt="de", threads=1, limit=None, warmup=0, device="cpu", user_dir=None)
+    rows = specs.RowSpecs(common, "ver.pt", drafters, None, DECODINGS).main_rows(["strict"], [1], [1], [])
+    by_name = {r["name"]: r for r in rows}
+    assert "--adaptive-draft" not in by_name["strict-fixed@bs1"]["extra"]
+    assert by_name["strict-adaptive@bs1"]["extra"][-3:] == ["--adaptive-draft", "--draft-min-confidence", "0.3"]

@@ -133,6 +133,10 @@ def build_parser(decodings) -> argparse.ArgumentParser:
     parser.add_argument("--drafter", action="append", metavar="[LABEL=]PATH",
                         help="specdec_nat drafter checkpoint (rows strict, relaxed, and decodings that take a "
                              "drafter); repeat as LABEL=PATH for several drafters: rows strict-LABEL@bs1, ...")
+    parser.add_argument("--drafter-options", action="append", metavar="LABEL=OPTIONS",
+                        help="more fairseq-generate options for the rows of drafter LABEL, one string, e.g. "
+                             "--drafter-options 'vsd=--adaptive-draft --draft-min-confidence 0.3' (the same "
+                             "checkpoint under two labels compares two settings)")
     parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
     parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
                         help=f"decoders to run: {', '.join(BUILTIN_ROWS)} (strict and relaxed: draft-verify with every "
@@ -145,6 +149,10 @@ def build_parser(decodings) -> argparse.ArgumentParser:
                                            "that registers more decodings")
     parser.add_argument("--device", default="auto", choices=DEVICES,
                         help="where the decoders run (default auto: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--fp16", action="store_true",
+                        help="decode every fairseq row in float16 (fairseq-generate --fp16: the models cast with "
+                             "model.half(), the drafter to the verifier's dtype); = beam 1 then compares with --beam 1 "
+                             "in float16. The CTranslate2 rows keep their own compute type")
     parser.add_argument("--raw-ref", help="raw (untokenized) reference file, .gz allowed, for sacreBLEU")
     parser.add_argument("--tok-ref", help="tokenized reference file for tokenized BLEU (optional)")
     parser.add_argument("--src", default="en")
@@ -178,7 +186,7 @@ def check_args(parser, args) -> None:
         if not getattr(args, name):
             parser.error(f"--{name.replace('_', '-')} is required")
     try:
-        args.drafters = parse_drafters(args.drafter)
+        args.drafters = parse_drafters(args.drafter, args.drafter_options)
     except ValueError as e:
         parser.error(str(e))
     for path in [args.verifier, args.blockwise, args.raw_ref] + [d.path for d in args.drafters]:
@@ -196,6 +204,7 @@ def write_outputs(args, results: Dict, rows: List[Dict]) -> None:
     n_expected = results["sentences"]
     table = markdown_table(rows)
     where = f", on {results['device']}" if results["device"] != "cpu" else ""
+    where += ", fairseq rows in float16 (--fp16)" if results["precision"] == "float16" else ""
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(f"Command: `{results['command']}`\n\n{n_expected} sentences, {args.threads} thread(s) per decoder{where}, "
                 f"warm-up of {args.warmup} sentences excluded, {load_note(args.jobs)}.\n\n")
@@ -260,7 +269,7 @@ def main(argv=None):
     lang = args.detok_lang or args.tgt
 
     common = dict(data=args.data, src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit,
-                  warmup=args.warmup, device=device, user_dir=args.user_dir)
+                  warmup=args.warmup, device=device, user_dir=args.user_dir, fp16=args.fp16)
     ct2_dir = None
     if any(kind in ct2.COMPUTE_TYPES for kind in wanted):
         ct2_dir = ct2.convert(args.verifier, args.data, args.src, args.tgt, ct2.model_dir(args.out))
@@ -299,6 +308,7 @@ def main(argv=None):
     results = {
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
         "device": device,
+        "precision": "float16" if args.fp16 else "float32",
         "threads": args.threads,
         "jobs": args.jobs,
         "sentences": n_expected,

@@ -45,6 +45,8 @@ class DrafterArg:
 
     label: str
     path: str
+    #: more fairseq-generate options for this drafter's rows (``--drafter-options``)
+    options: Tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, value: str) -> "DrafterArg":
@@ -62,10 +64,21 @@ class DrafterArg:
         return f"{text} ({self.label})" if self.label else text
 
 
-def parse_drafters(values: Optional[Sequence[str]]) -> List[DrafterArg]:
-    """Every ``--drafter`` value; ``ValueError`` if two would name their rows alike."""
+def parse_drafters(values: Optional[Sequence[str]], options: Optional[Sequence[str]] = None) -> List[DrafterArg]:
+    """Every ``--drafter`` value, with its ``--drafter-options LABEL=OPTIONS``;
+    ``ValueError`` if two would name their rows alike or options name no drafter."""
     drafters = [DrafterArg.parse(v) for v in values or []]
     labels = [d.label for d in drafters]
+    extra = {}
+    for value in options or []:
+        label, sep, opts = value.partition("=")
+        if not sep or label not in labels or not label:
+            raise ValueError(
+                f"--drafter-options {value!r}: expected LABEL=OPTIONS with the LABEL of a --drafter LABEL=PATH "
+                f"(labels: {', '.join(repr(x) for x in labels if x) or 'none'})"
+            )
+        extra[label] = tuple(opts.split())
+    drafters = [DrafterArg(d.label, d.path, extra.get(d.label, ())) for d in drafters]
     for label in set(labels):
         if labels.count(label) > 1:
             raise ValueError(
@@ -158,6 +171,7 @@ class RowSpecs:
         extra += ["--block-size", str(k)] if k else self.k_args
         if DRAFT_VERIFY in self.decodings:
             extra += list(self.decodings[DRAFT_VERIFY].bench_extra)
+        extra += list(drafter.options)
         name, at, where = name.partition("@")
         return self._spec(f"{name}{drafter.suffix}{at}{where}", drafter.describe(label), DRAFT_VERIFY,
                           f"{self.verifier}:{drafter.path}", bs, extra=extra, drafter=drafter)
@@ -169,7 +183,8 @@ class RowSpecs:
         model = _bench_model(self.decodings, kind)
         if model == "verifier+drafter":
             return [self._spec(f"{decoding.name}{d.suffix}@bs{bs}", d.describe(decoding.label), decoding.name,
-                               f"{self.verifier}:{d.path}", bs, extra=extra, drafter=d) for d in self.drafters]
+                               f"{self.verifier}:{d.path}", bs, extra=extra + list(d.options), drafter=d)
+                    for d in self.drafters]
         path = self.blockwise if model == "blockwise" else self.verifier
         return [self._spec(f"{decoding.name}@bs{bs}", decoding.label, decoding.name, path, bs, extra=extra)]
 
