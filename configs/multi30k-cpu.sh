@@ -1,6 +1,7 @@
 # Multi30k EN-DE, CPU-sized setting (NOT a paper setting): 2 CPU cores, about
 # one hour end to end.  Sourced by scripts/run-multi30k.sh; override any
-# variable from the environment.
+# variable from the environment.  configs/multi30k-gpu.sh is the GPU setting
+# (CONFIG=configs/multi30k-gpu.sh scripts/run-multi30k.sh).
 #
 # Differences from the papers' WMT setting (configs/wmt14-en-de-base.sh):
 #  - one 3+3-layer d256 transformer is teacher and verifier (the papers train
@@ -36,6 +37,9 @@
 #    (BENCH_RELAXED_BATCH_SIZES).
 
 : "${SRC:=en}" "${TGT:=de}"
+: "${DEVICE:=cpu}"                    # cpu: every fairseq command gets --cpu; gpu: none does
+: "${BENCH_DEVICE:=cpu}"              # scripts/benchmark.py --device (auto: cuda when torch sees a GPU)
+: "${BENCH_BATCH_SIZES:=1,32}"        # batch sizes of the benchmark table
 : "${THREADS:=1}"                     # torch threads per job that shares the machine
 : "${VERIFIER_THREADS:=2}"            # the verifier trains alone
 : "${VERIFIER_UPDATES:=1000}"         # verifier training budget (about 18 minutes on 2 threads)
@@ -47,6 +51,7 @@
 : "${DISTILL_GEN_ARGS:=--max-len-a 1.2 --max-len-b 10}"  # extra fairseq-generate options of distillation
 : "${BENCH_JOBS:=2}"                  # decoders timed at once (scripts/benchmark.py --jobs)
 : "${BENCH_RELAXED_BATCH_SIZES:=1}"   # batch sizes of the relaxed grid
+: "${BENCH_RELAXED:=3:1,5:3}"          # beta:tau settings of the relaxed grid (every drafter)
 : "${BLOCKWISE_UPDATES:=100}"       # blockwise heads (paper 004), beside the drafter (about 15 minutes: each update runs the whole verifier)
 : "${BLOCKWISE_MAX_MINUTES:=$DRAFTER_MAX_MINUTES}"
 
@@ -88,7 +93,7 @@ fi
 # fairseq_specdec/models/specdec_vsd.py).  It trains on the frozen verifier's
 # teacher-forced states over the greedy distillation, VSD_CUTS blocks per
 # sentence from one verifier pass (stage `vsd`, beside `drafter` and `blockwise`).
-: "${VSD_UPDATES:=400}"
+: "${VSD_UPDATES:=1000}"       # an update costs about 40% of the paper drafter's (0.55 vs 0.12-0.25 updates/s side by side), so 1000 fit the drafter stage's time
 : "${VSD_MAX_MINUTES:=$DRAFTER_MAX_MINUTES}"
 : "${VSD_CUTS:=2}"          # 4 cuts at --max-tokens 4096 cost 4x per update (0.07 vs 0.12 updates/s of the paper drafter, 3 trainings on 2 cores)
 VSD_ARGS=(

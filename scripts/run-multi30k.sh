@@ -10,7 +10,9 @@
 # Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages in order;
 #   STAGE1+STAGE2 runs stages at the same time, default drafter+vsd+blockwise;
 #   the benchmark adds a blockwise row when that stage has run)
-# Environment: CONFIG (configs/multi30k-cpu.sh), OUT (runs/multi30k.SRC-TGT),
+# Environment: CONFIG (configs/multi30k-cpu.sh; configs/multi30k-gpu.sh trains
+#   on a GPU for far more updates: --cpu only when the config says DEVICE=cpu,
+#   the benchmark on BENCH_DEVICE), OUT (runs/multi30k.SRC-TGT),
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
 #   arguments for scripts/benchmark.py), plus every variable of the config.
 set -euo pipefail
@@ -18,6 +20,10 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONFIG=${CONFIG:-$HERE/configs/multi30k-cpu.sh}
 # shellcheck source=/dev/null
 source "$CONFIG"
+case "${DEVICE:-cpu}" in
+  cpu|gpu) ;;
+  *) echo "DEVICE must be cpu or gpu, got '$DEVICE' (set by $CONFIG or the environment)" >&2; exit 2;;
+esac
 OUT=${OUT:-$HERE/runs/multi30k.$SRC-$TGT}
 DATA=${DATA:-$HERE/data/multi30k.$SRC-$TGT}
 PY=${PYTHON:-python}
@@ -41,7 +47,8 @@ stage_verifier() {
 
 stage_distill() {
   log "distill: beam $DISTILL_BEAM ${DISTILL_GEN_ARGS} over train and valid, ${DISTILL_SHARDS:-2} shards in parallel"
-  BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 EXTRA_GEN_ARGS=$DISTILL_GEN_ARGS \
+  local cpu=1; [ "${DEVICE:-cpu}" = cpu ] || cpu=0
+  BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 EXTRA_GEN_ARGS=$DISTILL_GEN_ARGS CPU=$cpu \
     bash "$HERE/scripts/distill.sh" "$OUT/verifier/checkpoint_best.pt" "$DATA/bin" "$DATA/bpe" "$OUT/distill" "$SRC" "$TGT"
 }
 
@@ -66,7 +73,7 @@ stage_blockwise() {
 block_acc() {
   local log=${1%.pt}.validate.log acc
   fairseq-validate "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" --task draft_verify --path "$1" \
-    --cpu --max-tokens 4096 --num-workers 0 > "$log" 2>&1 || true
+    $(device_flag) --max-tokens 4096 --num-workers 0 > "$log" 2>&1 || true
   acc=$(sed -n 's/.*valid on .*| block_acc \([0-9.]*\) .*/\1/p' "$log" | tail -1)
   if [ -z "$acc" ]; then echo "no validation block_acc for $1: see $log" >&2; return 1; fi
   echo "$acc"
@@ -99,16 +106,23 @@ stage_average() {
 stage_benchmark() {
   local raw; raw=$(raw_multi30k)
   local rows=beam5,beam1,loop-greedy,strict,relaxed drafters=(--drafter "paper=$OUT/drafter/checkpoint_selected.pt")
-  [ -f "$OUT/vsd/checkpoint_last.pt" ] && drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")
+  if [ -f "$OUT/vsd/checkpoint_last.pt" ]; then
+    # the default drafter, and the same drafter with a fixed k and no confidence cut
+    drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt" --drafter "vsd-fixed=$OUT/vsd/checkpoint_last.pt"
+               --drafter-options "vsd-fixed=--draft-min-confidence 0")
+  fi
   local extra=()
   if [ -f "$OUT/blockwise/checkpoint_best.pt" ]; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt"); rows=$rows,blockwise
   fi
+  # CTranslate2's greedy decoder on the same verifier, when the package is installed
+  if "$PY" -c "import ctranslate2" 2>/dev/null; then rows=$rows,ct2; fi
   log "benchmark: 1,000 test sentences, every decoder, $BENCH_JOBS at a time (results in $OUT/benchmark)"
   "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" "${extra[@]}" \
-    --verifier "$OUT/verifier/checkpoint_best.pt" "${drafters[@]}" --rows "$rows" --device cpu \
+    --verifier "$OUT/verifier/checkpoint_best.pt" "${drafters[@]}" --rows "$rows" --device "${BENCH_DEVICE:-cpu}" \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
-    --out "$OUT/benchmark" --jobs "$BENCH_JOBS" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
+    --out "$OUT/benchmark" --jobs "$BENCH_JOBS" --batch-sizes "${BENCH_BATCH_SIZES:-1,32}" \
+    --relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
 }
 
 for group in "${STAGES[@]}"; do

@@ -29,6 +29,11 @@ from ..generation import build as _builtin_decodings  # noqa: F401  (registers t
 
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 
+#: --draft-min-confidence default: on the demo models it cut the weak drafters'
+#: rejected drafts (400-update specdec_vsd 1.13x -> 1.29x of --beam 1, paper
+#: drafter 0.71x -> 1.06x with 0.3) and cost nothing measurable with a better one
+DEFAULT_MIN_CONFIDENCE = 0.2
+
 #: block size k used when --block-size is not given (paper 002 uses 25)
 DEFAULT_BLOCK_SIZE = 25
 
@@ -98,11 +103,12 @@ class DraftVerifyConfig(TranslationConfig):
         },
     )
     draft_min_confidence: float = field(
-        default=0.0,
+        default=DEFAULT_MIN_CONFIDENCE,
         metadata={
             "help": "speculative decodings: stop each draft before its first token whose "
             "drafter probability is below this (0 = off; drafters that return "
-            "probabilities only); the output does not change"
+            f"probabilities only; default {DEFAULT_MIN_CONFIDENCE}, chosen by measurement, see "
+            "the README); the output does not change"
         },
     )
     block_size: Optional[int] = field(
@@ -189,7 +195,7 @@ class DraftVerifyTask(TranslationTask):
         ("verify_tau", 0.0),
         ("verify_score", "verifier"),
         ("adaptive_draft", False),
-        ("draft_min_confidence", 0.0),
+        ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
         ("block_size", None),
     )
 
