@@ -6,6 +6,10 @@ log() { echo "[$LOG_TAG $(date +%H:%M:%S) +$(( ($(date +%s) - T0) / 60 ))m] $*";
 
 hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
 
+# device_flag: --cpu when the config says DEVICE=cpu (the default), nothing
+# on a GPU (DEVICE=gpu); use it unquoted: $(device_flag)
+device_flag() { if [ "${DEVICE:-cpu}" = cpu ]; then echo --cpu; fi; }
+
 # train NAME UPDATES MINUTES DATA_DIR ARGS...: one resumable fairseq-train run
 # into $OUT/NAME (log $OUT/NAME.log), budgeted by UPDATES (--max-update, seeded)
 # so that the model is the same on any machine; MINUTES is only a safety cap
@@ -14,12 +18,12 @@ hours() { awk -v m="$1" 'BEGIN { printf "%.4f", m / 60 }'; }
 # so an interrupted run resumes from checkpoint_last.pt with the time it has
 # left.  The plugin is always loaded: without it, torch's safe loader refuses
 # fairseq's own checkpoints, so even a plain `--task translation` run could not
-# resume.
+# resume.  --cpu only when DEVICE=cpu (device_flag).
 train() {
   local name=$1 updates=$2 minutes=$3 data=$4; shift 4
   if [ -f "$OUT/$name/DONE" ]; then log "$name: done before"; return; fi
   log "$name: training for $updates updates, at most $minutes minutes (log: $OUT/$name.log)"
-  fairseq-train "$data" --user-dir "$HERE/fairseq_specdec" "$@" --save-dir "$OUT/$name" --cpu \
+  fairseq-train "$data" --user-dir "$HERE/fairseq_specdec" "$@" --save-dir "$OUT/$name" $(device_flag) \
     --max-update "$updates" --stop-time-hours "$(hours "$minutes")" --log-format simple --log-interval 50 \
     --num-workers 0 --seed 1 >> "$OUT/$name.log" 2>&1
   grep "valid on" "$OUT/$name.log" | tail -2 | sed 's/^/  /'

@@ -236,3 +236,126 @@ def test_multi30k_recipe_checks_every_stage_of_a_group_first(tmp_path):
     assert "unknown stage 'train-everything'" in proc.stderr
     assert "stage" not in proc.stdout  # not even `average` started
     assert not (out / "drafter").exists()
+
+
+# ---------------------------------------------------------------- Multi30k recipe: CPU and GPU configs
+FAKE_TOOL = r'''#!/usr/bin/env bash
+# records its command line, creates the directories and files the recipe expects
+name=$(basename "$0")
+{ printf '%q ' "$name" "$@"; echo; } >> "$RECORD"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in
+    --save-dir) mkdir -p "${args[i+1]}"; touch "${args[i+1]}/checkpoint_best.pt" "${args[i+1]}/checkpoint_last.pt";;
+    --destdir|--out) mkdir -p "${args[i+1]}";;
+    --output) touch "${args[i+1]}";;
+  esac
+done
+case "$name" in
+  fairseq-train) echo "epoch 001 | valid on 'valid' subset | loss 1.0 | num_updates 999999 | best_loss 1.0";;
+  fairseq-validate) echo "epoch 001 | valid on 'valid' subset | loss 1.0 | block_acc 50.0 | num_updates 1";;
+esac
+'''
+MULTI30K_STAGES = ["verifier", "distill", "drafter+vsd+blockwise", "average", "benchmark"]
+
+
+def run_multi30k(tmp_path, config=None, stages=MULTI30K_STAGES, **env_overrides):
+    """scripts/run-multi30k.sh with every tool it calls replaced by a recorder;
+    returns (process, [argv of each recorded command])."""
+    bin_dir, data, out = tmp_path / "bin", tmp_path / "data", tmp_path / "run"
+    bin_dir.mkdir()
+    for tool in ("fairseq-train", "fairseq-validate", "fairseq-generate", "fairseq-preprocess", "python"):
+        (bin_dir / tool).write_text(FAKE_TOOL)
+        (bin_dir / tool).chmod(0o755)
+    (data / "bpe").mkdir(parents=True)
+    (data / "bin").mkdir()
+    for name in ("train.en", "val.en"):
+        (data / "bpe" / name).write_text("a b\nc d\n")
+    (data / "bin" / "test.en-de.en.bin").write_text("")
+    drafter = out / "drafter"  # epoch checkpoints for the average stage
+    drafter.mkdir(parents=True)
+    for name in ("checkpoint1.pt", "checkpoint2.pt", "checkpoint_last.pt"):
+        (drafter / name).write_text("")
+    record = tmp_path / "commands.txt"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "LANG": "C.UTF-8", "RECORD": str(record),
+           "OUT": str(out), "DATA": str(data), "PYTHON": str(bin_dir / "python"), "MULTI30K_RAW": str(tmp_path / "raw")}
+    if config:
+        env["CONFIG"] = os.path.join(ROOT, config)
+    env.update(env_overrides)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run-multi30k.sh"), *stages], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    recorded = [shlex.split(line) for line in record.read_text().splitlines()] if record.exists() else []
+    return proc, recorded
+
+
+def trainings(recorded):
+    """{save dir name: parsed fairseq-train arguments}"""
+    out = {}
+    for argv in recorded:
+        if argv[0] == "fairseq-train":
+            args = parse(options.get_training_parser, argv[1:])
+            out[os.path.basename(args.save_dir)] = args
+    return out
+
+
+def fairseq_commands(recorded):
+    return [argv for argv in recorded if argv[0] in ("fairseq-train", "fairseq-validate", "fairseq-generate")]
+
+
+def benchmark_command(recorded):
+    (argv,) = [a for a in recorded if len(a) > 1 and a[1].endswith("scripts/benchmark.py")]
+    return argv
+
+
+def option(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def test_multi30k_cpu_config_passes_cpu_everywhere(tmp_path):
+    proc, recorded = run_multi30k(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    trains = trainings(recorded)
+    assert set(trains) == {"verifier", "drafter", "vsd", "blockwise"}
+    assert all(args.cpu and not args.fp16 for args in trains.values())
+    assert trains["verifier"].max_update == 1000 and trains["vsd"].arch == "specdec_vsd"
+    kinds = {argv[0] for argv in fairseq_commands(recorded)}
+    assert kinds == {"fairseq-train", "fairseq-validate", "fairseq-generate"}  # distillation and block_acc too
+    assert all("--cpu" in argv for argv in fairseq_commands(recorded))
+    bench = benchmark_command(recorded)
+    assert option(bench, "--device") == "cpu" and option(bench, "--batch-sizes") == "1,32"
+    assert option(bench, "--jobs") == "2"
+    # both drafters and the blockwise heads are benchmarked
+    drafters = [option(bench[i:], "--drafter") for i, a in enumerate(bench) if a == "--drafter"]
+    assert f"paper={tmp_path}/run/drafter/checkpoint_selected.pt" in drafters
+    assert f"vsd={tmp_path}/run/vsd/checkpoint_last.pt" in drafters
+    assert "blockwise" in option(bench, "--rows").split(",")
+
+
+def test_multi30k_gpu_config_trains_longer_without_cpu(tmp_path):
+    proc, recorded = run_multi30k(tmp_path, "configs/multi30k-gpu.sh")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not any("--cpu" in argv for argv in fairseq_commands(recorded))
+    trains = trainings(recorded)
+    assert set(trains) == {"verifier", "drafter", "vsd", "blockwise"}  # the vsd stage is kept
+    for name, args in trains.items():
+        assert not args.cpu and args.fp16, name
+        assert args.max_tokens == 8192 and args.max_epoch == 0, name
+    assert {name: args.max_update for name, args in trains.items()} == {
+        "verifier": 20000, "drafter": 20000, "vsd": 20000, "blockwise": 10000}
+    # the CPU settings are overridden, not duplicated into a contradiction
+    assert trains["verifier"].dropout == 0.3 and trains["verifier"].warmup_updates == 4000
+    assert trains["drafter"].glance_anneal_updates == 20000 and trains["vsd"].cuts_per_sentence == 4
+    assert trains["drafter"].save_interval_updates == 1000 and trains["drafter"].keep_interval_updates == 20
+    # distillation in one shard, on the GPU
+    gens = [parse(options.get_generation_parser, a[1:]) for a in recorded if a[0] == "fairseq-generate"]
+    assert gens and all(not g.cpu and g.distributed_world_size == 1 for g in gens)
+    bench = benchmark_command(recorded)
+    assert option(bench, "--device") == "auto" and option(bench, "--batch-sizes") == "1,8,64"
+    assert option(bench, "--jobs") == "1"
+
+
+def test_multi30k_device_must_be_cpu_or_gpu(tmp_path):
+    proc, recorded = run_multi30k(tmp_path, stages=["verifier"], DEVICE="tpu")
+    assert proc.returncode != 0
+    assert "DEVICE must be cpu or gpu, got 'tpu'" in proc.stderr
+    assert recorded == []
