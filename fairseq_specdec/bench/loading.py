@@ -16,6 +16,8 @@ def generate_argv(spec: Dict) -> list:
     ]
     if spec.get("device", "cpu") == "cpu":
         argv.append("--cpu")
+    if spec.get("fp16"):  # fairseq-generate --fp16: every model cast to float16
+        argv.append("--fp16")
     return argv + list(spec.get("extra", []))
 
 
