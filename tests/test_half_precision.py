@@ -130,3 +130,32 @@ def test_fairseq_generate_fp16_on_cpu_identical_to_beam1_fp16_at_batch_1(
         extra = ["--decoding", "blockwise"]
     got = H.parse_generate(H.generate(toy_bin, path, "--fp16", *extra, task="draft_verify").stdout)
     H.assert_same_hypotheses(ref, got, atol=1e-2)
+
+
+def test_benchmark_fp16_reaches_fairseq_generate():
+    from fairseq_specdec.bench import loading
+
+    spec = dict(data="bin", path="v.pt", batch_size=1, beam=1, src="en", tgt="de", extra=[])
+    assert "--fp16" in loading.generate_argv(dict(spec, fp16=True))
+    assert "--fp16" not in loading.generate_argv(spec)
+
+
+@pytest.mark.slow
+def test_benchmark_fp16_rows(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
+    """scripts/benchmark.py --fp16: fairseq's beam 1 row is fairseq-generate
+    --fp16's output, strict draft-verify at batch 1 is identical to it."""
+    import json
+    from pathlib import Path
+
+    out = tmp_path / "bench"
+    H.run([H.cli("python"), H.ROOT / "scripts" / "benchmark.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+           "--verifier", ar_checkpoint, "--drafter", nat_checkpoint, "--rows", "beam5,beam1,strict", "--batch-sizes", "1",
+           "--fp16", "--raw-ref", Path(toy_bin).parent / "raw" / "test.tgt", "--detok-lang", "en", "--warmup", "3",
+           "--out", out])
+    results = json.loads((out / "results.json").read_text())
+    assert results["precision"] == "float16"
+    rows = {r["name"]: r for r in results["rows"]}
+    assert rows["strict@bs1"]["identical_to_beam1"]
+    ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, "--fp16", task="draft_verify").stdout)
+    assert (out / "hyp.beam1@bs1.txt").read_text().splitlines() == [ref[i][1] for i in sorted(ref)]
+    assert "float16" in (out / "results.md").read_text()
