@@ -1,11 +1,13 @@
 """scripts/learning-curve.py (fairseq_specdec.bench.learning_curve): the
 checkpoints of a training run, one per number of updates; training minutes
-from fairseq's simple log (the wall field, a resumed run's clock continued,
-timestamps without it); end to end on a tiny drafter trained with
+from fairseq's simple log (timestamps from the run's start, a resumed run
+continued without the pause); end to end on a tiny drafter trained with
 --save-interval-updates: one point per checkpoint and label, strict output
 identical to beam 1, the plot and the tables written."""
 import json
 import re
+import subprocess
+from datetime import datetime
 
 import pytest
 import torch
@@ -13,32 +15,38 @@ import torch
 import specdec_helpers as H
 from fairseq_specdec.bench import learning_curve as lc
 
-INNER = ("2026-11-22 10:00:{s:02d} | INFO | train_inner | epoch 001:     {u} / 30 loss=3.1, ups=1.2, "
-         "num_updates={u}, lr=0.001, gnorm=1.0, train_wall={tw}, wall={w}")
-EPOCH = ("2026-11-22 10:00:{s:02d} | INFO | train | epoch 001 | loss 3.1 | num_updates {u} | lr 0.001 "
-         "| train_wall {tw} | wall {w}")
-VALID = "2026-11-22 10:00:{s:02d} | INFO | valid | epoch 001 | valid on 'valid' subset | loss 3.0 | num_updates {u}"
+TASK = "2026-11-22 10:{m:02d}:{s:02d} | INFO | fairseq_cli.train | task: DraftVerifyTask"
+INNER = ("2026-11-22 10:{m:02d}:{s:02d} | INFO | train_inner | epoch 001:     {u} / 30 loss=3.1, ups=1.2, "
+         "num_updates={u}, lr=0.001, gnorm=1.0, train_wall=1, wall=0")
+EPOCH = ("2026-11-22 10:{m:02d}:{s:02d} | INFO | train | epoch 001 | loss 3.1 | num_updates {u} | lr 0.001 "
+         "| train_wall 1 | wall 0")
+VALID = "2026-11-22 10:{m:02d}:{s:02d} | INFO | valid | epoch 001 | valid on 'valid' subset | loss 3.0 | num_updates {u}"
 
 
-def test_training_clock_reads_wall_of_inner_and_epoch_lines():
+def test_training_clock_reads_the_timestamps_of_update_lines():
     log = [
-        "2026-11-22 10:00:00 | INFO | fairseq_cli.train | task: draft_verify",
-        INNER.format(s=5, u=10, tw=4, w=6),
-        INNER.format(s=9, u=20, tw=4, w=12),
-        VALID.format(s=10, u=30),  # no wall: not a point
-        EPOCH.format(s=11, u=30, tw=14, w=18),
+        "2026-11-22 09:59:57 | INFO | fairseq.tasks.text_to_speech | Please install tensorboardX",
+        "/venv/hydra/initialize.py:43: UserWarning: no timestamp here",
+        TASK.format(m=0, s=0),
+        "2026-11-22 10:00:03 | INFO | fairseq_cli.train | Start iterating over samples",
+        INNER.format(m=0, s=6, u=10),
+        INNER.format(m=0, s=12, u=20),
+        VALID.format(m=0, s=17, u=30),
+        EPOCH.format(m=0, s=18, u=30),
     ]
-    assert lc.training_clock(log) == [(0, 0.0), (10, 6.0), (20, 12.0), (30, 18.0)]
+    # seconds from the run's start (its task: line)
+    assert lc.training_clock(log) == [(0, 0.0), (10, 6.0), (20, 12.0), (30, 17.0), (30, 18.0)]
+    assert lc.minutes_at(lc.training_clock(log), 30) == pytest.approx(18 / 60)  # the latest line of 30 updates
 
 
-def test_a_resumed_run_continues_the_clock():
-    log = [INNER.format(s=1, u=10, tw=1, w=60), EPOCH.format(s=2, u=20, tw=1, w=120),
-           # restarted from checkpoint_last.pt (20 updates): the trainer's wall starts again
-           INNER.format(s=3, u=30, tw=1, w=30), EPOCH.format(s=4, u=40, tw=1, w=90)]
-    assert lc.training_clock(log) == [(0, 0.0), (10, 60.0), (20, 120.0), (30, 150.0), (40, 210.0)]
+def test_a_resumed_run_continues_the_clock_without_the_pause():
+    log = [TASK.format(m=0, s=0), INNER.format(m=1, s=0, u=10), EPOCH.format(m=2, s=0, u=20),
+           # stopped, then resumed from checkpoint_last.pt (20 updates) 30 minutes later
+           TASK.format(m=32, s=0), INNER.format(m=32, s=30, u=30), EPOCH.format(m=33, s=0, u=40)]
+    assert lc.training_clock(log) == [(0, 0.0), (10, 60.0), (20, 120.0), (30, 150.0), (40, 180.0)]
 
 
-def test_a_log_without_wall_uses_its_timestamps():
+def test_a_log_without_a_task_line_counts_from_its_first_timestamp():
     log = ["2026-11-22 10:00:00 | INFO | fairseq_cli.train | start",
            "2026-11-22 10:01:30 | INFO | train | epoch 001 | loss 3.1 | num_updates 25",
            "2026-11-22 10:03:00 | INFO | train | epoch 002 | loss 2.1 | num_updates 50"]
@@ -92,13 +100,14 @@ def test_drafter_dir_needs_a_label_and_a_log(tmp_path):
 def test_learning_curve_end_to_end(toy_bin, ar_checkpoint, tmp_path):
     run = tmp_path / "drafter"
     optim = [a for a in H.OPTIM_ARGS if a != "--no-epoch-checkpoints"]
-    proc = H.run([
-        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.NAT_ARGS, "--block-size", "4", *optim,
-        "--max-update", "60", "--save-interval-updates", "20", "--log-format", "simple", "--log-interval", "10",
-        "--save-dir", run,
-    ])
-    log = proc.stdout + proc.stderr
-    (tmp_path / "drafter.log").write_text(log)
+    # the log as scripts/recipe-lib.sh writes it: stdout and stderr interleaved in DIR.log
+    with open(tmp_path / "drafter.log", "w") as f:
+        subprocess.run([
+            H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.NAT_ARGS, "--block-size", "4", *optim,
+            "--max-update", "60", "--save-interval-updates", "20", "--log-format", "simple", "--log-interval", "10",
+            "--save-dir", str(run),
+        ], stdout=f, stderr=subprocess.STDOUT, env=H.subprocess_env(), check=True, timeout=600)
+    log = (tmp_path / "drafter.log").read_text()
     out = tmp_path / "curve"
     H.run([H.cli("python"), H.ROOT / "scripts" / "learning-curve.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
            "--verifier", ar_checkpoint, "--drafter-dir", f"nat={run}", "--drafter-dir", f"same={run}",
@@ -115,9 +124,13 @@ def test_learning_curve_end_to_end(toy_bin, ar_checkpoint, tmp_path):
         for p in mine:
             assert p["identical_to_beam1"], p
             assert p["tok"] >= 1.0 and p["ms_per_sent"] > 0
-    # minutes of update 20: the wall of the log's line at 20 updates
-    wall20 = float(re.search(r"num_updates=20, .*wall=(\d+)", log).group(1))
-    assert next(p for p in points if p["num_updates"] == 20)["minutes"] == pytest.approx(wall20 / 60.0)
+    # minutes of update 20: from the run's task: line to the log's line at 20 updates
+    def stamp(pattern):
+        text = re.search(r"^(\S+ \S+) \| .*" + pattern, log, re.M).group(1)
+        return datetime.strptime(text, "%Y-%m-%d %H:%M:%S")
+
+    seconds = (stamp(r"num_updates=20, ") - stamp(r"fairseq_cli\.train \| task: ")).total_seconds()
+    assert next(p for p in points if p["num_updates"] == 20)["minutes"] == pytest.approx(seconds / 60.0)
     assert (out / "learning-curve.png").stat().st_size > 1000
     table = (out / "learning-curve.md").read_text()
     assert "| nat | checkpoint_1_20.pt | 20 |" in table and "| same | checkpoint2.pt | 54 |" in table

@@ -8,11 +8,14 @@ one point per number of updates (``checkpoint_best.pt`` and averaged or
 selected copies are not training points).  A checkpoint's number of updates
 comes from its name, else from the checkpoint itself; its training minutes
 from the training log ``DIR.log`` beside the directory (fairseq's simple log
-format, what ``scripts/recipe-lib.sh`` writes): the ``wall`` field (seconds
-since the trainer started, on the ``train_inner`` and epoch lines; a resumed
-run starts it again, and its clock continues from the last value before the
-restart), interpolated linearly between logged updates; a log without ``wall``
-falls back to its timestamps.
+format, what ``scripts/recipe-lib.sh`` writes): the timestamps of the lines
+that report ``num_updates``, counted from the start of the run, interpolated
+linearly between logged updates.  A log that holds several runs (training
+resumed from ``checkpoint_last.pt``; each run logs ``fairseq_cli.train |
+task: ...`` when it starts) counts each run from its own start, after the time
+of the runs before it, so the pause between two runs is not training time.
+(fairseq's own ``wall`` field cannot serve: after a resume fairseq 0.12 logs
+``wall 0`` on every line.)
 
 Each point decodes the first ``--limit`` test sentences at batch 1 with
 strict draft-verify in its own worker process, timed like a benchmark row
@@ -46,10 +49,11 @@ logger = logging.getLogger("learning-curve")
 UPDATE_CHECKPOINT = re.compile(r"checkpoint_(\d+)_(\d+)\.pt")
 EPOCH_CHECKPOINT = re.compile(r"checkpoint(\d+)\.pt")
 LAST_CHECKPOINT = "checkpoint_last.pt"
-#: ``num_updates N`` (epoch lines) or ``num_updates=N`` (train_inner lines), and the same for ``wall``
+#: ``num_updates N`` (epoch lines) or ``num_updates=N`` (train_inner lines)
 NUM_UPDATES = re.compile(r"\bnum_updates[ =](\d+)")
-WALL = re.compile(r"\bwall[ =]([0-9.]+)")
 TIMESTAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})")
+#: the line each fairseq-train run logs when it starts
+RUN_START = re.compile(r"\| fairseq_cli\.train \| task: ")
 
 
 @dataclass
@@ -109,35 +113,31 @@ def find_checkpoints(directory: str) -> List[Checkpoint]:
 
 
 def training_clock(log_lines: Sequence[str]) -> List[Tuple[int, float]]:
-    """``(num_updates, seconds of training)`` of every log line that has both,
-    in order, starting at ``(0, 0)``.  Seconds are the ``wall`` field, its
-    restarts (a resumed run) continued from the value before; without any
-    ``wall``, the lines' timestamps from the log's first timestamp."""
+    """``(num_updates, seconds of training)`` of every timestamped log line
+    that reports ``num_updates``, in order, starting at ``(0, 0)``.  Seconds
+    count from the start of the line's run (its ``task:`` line, or the log's
+    first timestamp), plus the time of the runs before it (each up to its last
+    such line)."""
     points: List[Tuple[int, float]] = [(0, 0.0)]
-    offset = last = 0.0
-    have_wall = any(NUM_UPDATES.search(line) and WALL.search(line) for line in log_lines)
-    start: Optional[datetime] = None
+    before = 0.0  # training seconds of the earlier runs
+    run_start: Optional[datetime] = None
+    last = 0.0  # seconds into the current run of its latest point
     for line in log_lines:
         stamp = TIMESTAMP.match(line)
-        if start is None and stamp:
-            start = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")
+        if not stamp:
+            continue
+        when = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")
+        if RUN_START.search(line):  # a run starts (the first one, or a resumed one)
+            if run_start is not None:
+                before, last = before + last, 0.0
+            run_start = when
+            continue
+        if run_start is None:
+            run_start = when
         updates = NUM_UPDATES.search(line)
-        if not updates:
-            continue
-        if have_wall:
-            wall = WALL.search(line)
-            if not wall:
-                continue
-            seconds = float(wall.group(1))
-            if seconds < last:  # the trainer started again (resumed run)
-                offset += last
-            last = seconds
-            seconds += offset
-        elif stamp:
-            seconds = (datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S") - start).total_seconds()
-        else:
-            continue
-        points.append((int(updates.group(1)), seconds))
+        if updates:
+            last = (when - run_start).total_seconds()
+            points.append((int(updates.group(1)), before + last))
     return points
 
 
