@@ -123,7 +123,7 @@ def test_profile_breaks_down_the_vsd_iteration(toy_bin, ar_checkpoint, vsd_train
     H.run([
         H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
         "--verifier", ar_checkpoint, "--drafter", vsd_training[0], "--limit", "20", "--warmup", "3", "--json", out,
-        "--extra", "--adaptive-draft",
+        "--extra=--adaptive-draft",
     ])
     rows = [r for r in json.loads(out.read_text())["rows"] if r["decoder"] == "draft-verify strict"]
     by_name = {r["component"].split(" (")[0]: r for r in rows}

@@ -167,7 +167,7 @@ def main(argv=None):
     parser.add_argument("--block-size", type=int, default=None, help="k (default: the drafter's)")
     parser.add_argument("--extra", default="",
                         help="more fairseq-generate options for the draft-verify decoder, one string "
-                             "(e.g. \"--adaptive-draft --draft-min-confidence 0.3\")")
+                             "(write it with =, e.g. --extra=\"--adaptive-draft --draft-min-confidence 0.3\")")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     for path in (args.verifier, args.drafter):
