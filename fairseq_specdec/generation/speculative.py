@@ -145,8 +145,6 @@ class SpeculativeGenerator:
         # (the task's SentenceCounter); the statistics line is logged when they meet
         self.progress = progress
         self.symbols_to_strip_from_output = {self.eos}
-        #: project every verified slot, even those no row reads (for measurements)
-        self.project_all = False
 
     def cuda(self):
         return self
@@ -234,7 +232,7 @@ class SpeculativeGenerator:
             needed = None
             if n > 1 and k > 0:
                 needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
-                if self.project_all or bool(needed.all()):
+                if bool(needed.all()):
                     needed = None
             lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
             self._mask_lprobs(lprobs, state, max_len)
