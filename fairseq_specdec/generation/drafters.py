@@ -222,9 +222,7 @@ class BlockwiseHeadsDrafter(Drafter):
         self.pending = None
 
     def update(self, state, feedback):
-        features, n_new = feedback.features, feedback.n_new
-        state_h = features.gather(1, (n_new - 1).view(-1, 1, 1).expand(-1, 1, features.size(-1))).squeeze(1)
-        logits = self.model.head_logits(state_h)  # B x (k-1) x V
+        logits = self.model.head_logits(feedback.newest_states())  # B x (k-1) x V
         logits[..., self.model.decoder.dictionary.pad()] = -math.inf
         self.pending = logits.argmax(-1)
 
@@ -273,7 +271,7 @@ class VerifierStateDrafter(Drafter):
         if self.shortlist:
             ids = torch.arange(self.shortlist, device=weight.device)
             if self.joined:
-                ids = torch.unique(torch.cat([ids, state.src_tokens.flatten()]))
+                ids = torch.unique(torch.cat([ids, state.net_input["src_tokens"].flatten()]))
             self.vocab = ids
             self.weight_t = weight.index_select(0, ids).t().contiguous()
         else:
@@ -285,9 +283,7 @@ class VerifierStateDrafter(Drafter):
         self.bias = torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device).masked_fill_(blocked, -math.inf)
 
     def update(self, state, feedback) -> None:
-        features, n_new = feedback.features, feedback.n_new
-        index = (n_new - 1).view(-1, 1, 1).expand(-1, 1, features.size(-1))
-        self.ctx_states = features.gather(1, index).squeeze(1)
+        self.ctx_states = feedback.newest_states()
 
     def propose(self, state, k):
         states = self.model.block_states(
@@ -299,8 +295,5 @@ class VerifierStateDrafter(Drafter):
         return tokens, lprobs
 
     def reorder(self, new_order) -> None:
-        memory = self.memory
-        memory["layers"] = [(k.index_select(0, new_order), v.index_select(0, new_order)) for k, v in memory["layers"]]
-        for name in ("mask", "copy_keys", "copy_values", "copy_pad"):
-            memory[name] = memory[name].index_select(0, new_order)
+        self.memory = self.model.select_memory(self.memory, new_order)
         self.ctx_states = self.ctx_states.index_select(0, new_order)

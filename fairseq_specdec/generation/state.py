@@ -27,6 +27,11 @@ class Feedback:
     n_new: Tensor
     features: Optional[Tensor]
 
+    def newest_states(self) -> Tensor:
+        """B x C: for each row, the verifier state that predicted its newest token."""
+        index = (self.n_new - 1).view(-1, 1, 1).expand(-1, 1, self.features.size(-1))
+        return self.features.gather(1, index).squeeze(1)
+
 
 class DecodingState:
     """Accepted output and bookkeeping of the active rows of one batch.
@@ -43,7 +48,9 @@ class DecodingState:
       float32 one token at a time as fairseq's SequenceGenerator does;
     * ``rows[i]`` is the row's index in the original batch;
     * ``encoder_out`` is the verifier's encoder output of the active rows;
-    * ``draft_k[i]`` is how many tokens the row's next draft may have.
+    * ``draft_k[i]`` is how many tokens the row's next draft may have;
+    * ``net_input`` is the batch as given, in its original row order (it is
+      not reordered: drafters read it in ``start_batch``).
 
     :meth:`keep` retires rows everywhere at once: these tensors, the
     verifier's caches and the drafter's per-row state.
@@ -65,7 +72,6 @@ class DecodingState:
         self.cum = torch.zeros(bsz, dtype=torch.float, device=device)
         self.rows: List[int] = list(range(bsz))
         self.draft_k: List[int] = [draft_k] * bsz
-        self.src_tokens = src_tokens
         self._listeners = []
 
     @property
@@ -103,6 +109,5 @@ class DecodingState:
         self.lengths_host = [self.lengths_host[i] for i in keep_host]
         self.rows = [self.rows[i] for i in keep_host]
         self.draft_k = [self.draft_k[i] for i in keep_host]
-        self.src_tokens = self.src_tokens.index_select(0, order)
         for listener in self._listeners:
             listener(order, keep_host)

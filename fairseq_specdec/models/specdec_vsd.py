@@ -229,6 +229,14 @@ class SpecDecVSDModel(BaseFairseqModel):
             "copy_pad": src_pad.unsqueeze(1),
         }
 
+    @staticmethod
+    def select_memory(memory, index: Tensor) -> Dict[str, object]:
+        """:meth:`source_memory` of the rows ``index`` (repeats allowed)."""
+        return {
+            "layers": [(k.index_select(0, index), v.index_select(0, index)) for k, v in memory["layers"]],
+            **{name: memory[name].index_select(0, index) for name in ("mask", "copy_keys", "copy_values", "copy_pad")},
+        }
+
     def block_states(
         self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor], k: int
     ) -> Tensor:
@@ -265,11 +273,7 @@ class SpecDecVSDModel(BaseFairseqModel):
         if state_blocks is None:
             raise ValueError("specdec_vsd trains on block inputs of the draft_verify task (--task draft_verify)")
         rows = state_blocks["rows"]
-        memory = self.source_memory(state_blocks["encoder_out"])
-        memory = {
-            "layers": [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in memory["layers"]],
-            **{name: memory[name].index_select(0, rows) for name in ("mask", "copy_keys", "copy_values", "copy_pad")},
-        }
+        memory = self.select_memory(self.source_memory(state_blocks["encoder_out"]), rows)
         features = state_blocks["features"]  # B x T x C
         cuts = state_blocks["cuts"]
         prev_state = features[rows, (cuts - 1).clamp(min=0)]
