@@ -136,6 +136,37 @@ def test_transposed_projection_matches_linear_and_follows_weight_updates():
     assert trained.grad is not None and trained.grad.abs().sum() > 0
 
 
+def test_transposed_weights_follow_optimizer_updates_through_data():
+    """fairseq's optimizers update ``p.data`` in place: no version bump, same
+    storage; the cached transposes must still follow (a stale copy would
+    validate a drafter with its first weights)."""
+    from fairseq_specdec.models.projection import TransposedProjection, cached_linear, inference_scope
+
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(8, 50).eval()
+    x = torch.randn(3, 4, 8, generator=gen)
+    project = TransposedProjection()
+    with torch.no_grad():
+        torch.testing.assert_close(cached_linear(layer, x), layer(x))
+        torch.testing.assert_close(project(x, layer.weight), torch.nn.functional.linear(x, layer.weight))
+        version = layer.weight._version
+        layer.weight.data.mul_(-2.0)
+        layer.bias.data.add_(1.0)
+        assert layer.weight._version == version  # what makes a version-keyed cache stale
+        torch.testing.assert_close(cached_linear(layer, x), layer(x))
+        torch.testing.assert_close(project(x, layer.weight), torch.nn.functional.linear(x, layer.weight))
+        # inside one scope the weights are taken as constant; the next scope checks again
+        with inference_scope():
+            torch.testing.assert_close(cached_linear(layer, x), layer(x))
+        layer.weight.data.mul_(0.5)
+        with inference_scope():
+            torch.testing.assert_close(cached_linear(layer, x), layer(x))
+    # training mode or gradients: the module itself (its weight gets the gradient)
+    layer.train()
+    cached_linear(layer, x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("lengths", [[0, 3, 5], [5, 0, 3]])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_rows_do_not_depend_on_other_rows_padding(tiny_drafter, batch, k, lengths):

@@ -197,11 +197,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     if built.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {built.block_size}")
     stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding)
-    logger.info(
-        f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
-        f"drafter {built.description}"
-    )
-    return SpeculativeGenerator(
+    generator = SpeculativeGenerator(
         verifier,
         built.drafter,
         acceptance,
@@ -221,4 +217,10 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             adaptive=cfg.adaptive_draft,
             min_confidence=cfg.draft_min_confidence,
         ),
+        verify_impl=str(getattr(cfg, "verify_impl", "auto")),
     )
+    logger.info(
+        f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
+        f"drafter {built.description}, verify pass {generator.verifier.impl}"
+    )
+    return generator

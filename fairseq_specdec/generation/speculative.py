@@ -31,10 +31,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..models.projection import inference_scope
 from .drafters import Drafter
 from .stats import SpecDecStats
 from .state import DecodingState, Feedback
-from .verifier import CachedVerifier
+from .verifier import build_verifier
 
 
 class DraftLengthPolicy:
@@ -122,13 +123,14 @@ class SpeculativeGenerator:
         stats: Optional[SpecDecStats] = None,
         progress=None,
         draft_policy: Optional[DraftLengthPolicy] = None,
+        verify_impl: str = "auto",
     ):
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
         self.policy = draft_policy or DraftLengthPolicy(block_size)
         if self.policy.k != block_size:
             raise ValueError(f"the draft policy's k ({self.policy.k}) is not --block-size {block_size}")
-        self.verifier = CachedVerifier(verifier_model, temperature)
+        self.verifier = build_verifier(verifier_model, temperature, verify_impl)
         self.drafter = drafter
         self.acceptance = acceptance
         self.block_size = block_size
@@ -193,6 +195,12 @@ class SpeculativeGenerator:
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
+        # the weights are constant while a batch decodes: cached transposes
+        # are checked once (fairseq_specdec.models.projection)
+        with inference_scope():
+            return self._generate(sample, prefix_tokens, constraints, bos_token)
+
+    def _generate(self, sample: Dict, prefix_tokens, constraints, bos_token):
         if prefix_tokens is not None:
             raise ValueError("speculative decoding does not support --prefix-size")
         if constraints is not None:

@@ -19,6 +19,8 @@ from ..models.projection import TransposedProjection
 
 
 class CachedVerifier:
+    #: what ``--verify-impl`` calls this implementation
+    impl = "fairseq"
     """Parallel verification with a KV cache that can be rolled back.
 
     **Cache invariant** (between two :meth:`forward` calls): for every active
@@ -204,3 +206,21 @@ class CachedVerifier:
                     buf["prev_key_padding_mask"] = mask if bool(mask.any()) else None
                 attn._set_input_buffer(self.incremental_state, buf)
         state.encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, new_order)
+
+
+VERIFY_IMPLS = ("auto", "lean", "fairseq")
+
+
+def build_verifier(model, temperature: float = 1.0, impl: str = "auto") -> CachedVerifier:
+    """The verify pass: ``lean`` (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`),
+    ``fairseq`` (:class:`CachedVerifier`, fairseq's own layer modules), or
+    ``auto``: lean where it supports the verifier's layers, else fairseq's."""
+    from .lean_verifier import LeanVerifier, lean_unsupported_reason
+
+    if impl not in VERIFY_IMPLS:
+        raise ValueError(f"--verify-impl must be one of {', '.join(VERIFY_IMPLS)}, got {impl!r}")
+    if impl == "fairseq":
+        return CachedVerifier(model, temperature)
+    if impl == "auto" and lean_unsupported_reason(getattr(model, "decoder", None) or model) is not None:
+        return CachedVerifier(model, temperature)
+    return LeanVerifier(model, temperature)

@@ -42,6 +42,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
 from fairseq.modules import LayerNorm
 
+from .projection import cached_linear
 from .specdec_nat import dictionary_fingerprint, mask_index
 
 logger = logging.getLogger(__name__)
@@ -98,20 +99,20 @@ class BlockLayer(nn.Module):
     def memory(self, enc: Tensor) -> Tuple[Tensor, Tensor]:
         """Cross-attention keys and values of an encoder output (N x S x C):
         computed once per sentence."""
-        k, v = self.cross_kv(enc).chunk(2, dim=-1)
+        k, v = cached_linear(self.cross_kv, enc).chunk(2, dim=-1)
         return self._heads(k), self._heads(v)
 
     def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor]) -> Tensor:
         n, length, c = x.shape
         p = self.dropout if self.training else 0.0
-        q, k, v = self.self_qkv(self.ln_self(x)).chunk(3, dim=-1)
+        q, k, v = cached_linear(self.self_qkv, self.ln_self(x)).chunk(3, dim=-1)
         a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v), dropout_p=p)
-        x = x + F.dropout(self.self_out(a.transpose(1, 2).reshape(n, length, c)), p, self.training)
-        q = self._heads(self.cross_q(self.ln_cross(x)))
+        x = x + F.dropout(cached_linear(self.self_out, a.transpose(1, 2).reshape(n, length, c)), p, self.training)
+        q = self._heads(cached_linear(self.cross_q, self.ln_cross(x)))
         a = F.scaled_dot_product_attention(q, memory[0], memory[1], attn_mask=memory_mask, dropout_p=p)
-        x = x + F.dropout(self.cross_out(a.transpose(1, 2).reshape(n, length, c)), p, self.training)
-        h = F.dropout(F.relu(self.fc1(self.ln_ffn(x))), p, self.training)
-        return x + F.dropout(self.fc2(h), p, self.training)
+        x = x + F.dropout(cached_linear(self.cross_out, a.transpose(1, 2).reshape(n, length, c)), p, self.training)
+        h = F.dropout(F.relu(cached_linear(self.fc1, self.ln_ffn(x))), p, self.training)
+        return x + F.dropout(cached_linear(self.fc2, h), p, self.training)
 
 
 @register_model("specdec_vsd", dataclass=SpecDecVSDConfig)
@@ -247,9 +248,9 @@ class SpecDecVSDModel(BaseFairseqModel):
         start state); ``ctx_tokens`` (N): that token; ``cuts`` (N): accepted
         tokens so far; ``slot_tokens`` (N x k): the mask index, or a revealed
         gold token (glancing); None: every slot is masked (decoding)."""
-        ctx = self.fuse(torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1))
+        ctx = cached_linear(self.fuse, torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1))
         pos = self._position_rows(cuts.unsqueeze(1) + torch.arange(k, device=cuts.device))  # N x k x C
-        query = self.copy_query(pos)
+        query = cached_linear(self.copy_query, pos)
         scores = torch.bmm(query, memory["copy_keys"]) / math.sqrt(query.size(-1))
         scores = scores.masked_fill(memory["copy_pad"], -math.inf)
         copied = torch.bmm(F.softmax(scores.float(), dim=-1).type_as(query), memory["copy_values"])

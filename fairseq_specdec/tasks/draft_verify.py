@@ -23,11 +23,13 @@ from .block_inputs import make_block_inputs, sentence_draws
 logger = logging.getLogger(__name__)
 
 from ..generation.acceptance import VERIFY_SCORES
+from ..generation.verifier import VERIFY_IMPLS
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
 from ..generation import build as _builtin_decodings  # noqa: F401  (registers them)
 
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
+VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
 
 #: --draft-min-confidence default: on the demo models it cut the weak drafters'
 #: rejected drafts (400-update specdec_vsd 1.13x -> 1.29x of --beam 1, paper
@@ -109,6 +111,16 @@ class DraftVerifyConfig(TranslationConfig):
             "drafter probability is below this (0 = off; drafters that return "
             f"probabilities only; default {DEFAULT_MIN_CONFIDENCE}, chosen by measurement, see "
             "the README); the output does not change"
+        },
+    )
+    verify_impl: VERIFY_IMPL_CHOICES = field(
+        default="auto",
+        metadata={
+            "help": "speculative decodings: how the verifier's pass is computed. 'lean': its "
+            "decoder layers as plain tensor operations over a preallocated KV cache (same "
+            "weights, same function; fairseq Transformer layers only); 'fairseq': fairseq's own "
+            "layer modules over their incremental state (any TransformerDecoder); 'auto' "
+            "(default): lean where the verifier's layers allow it"
         },
     )
     block_size: Optional[int] = field(
@@ -197,6 +209,7 @@ class DraftVerifyTask(TranslationTask):
         ("adaptive_draft", False),
         ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
         ("block_size", None),
+        ("verify_impl", "auto"),
     )
 
     def check_no_speculative_options(self) -> None:

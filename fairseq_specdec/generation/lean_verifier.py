@@ -1,0 +1,300 @@
+"""A lean verify pass: the verifier's decoder layers written out as plain
+tensor operations over a preallocated, row-indexed KV cache.
+
+:class:`~fairseq_specdec.generation.verifier.CachedVerifier` runs fairseq's own
+layer modules, whose incremental path costs far more than its arithmetic on a
+CPU: dictionary-held caches copied by ``torch.cat`` at every call, key padding
+masks rebuilt, the encoder attention's head-averaged weights computed and
+thrown away, three projections where one would do.  This module computes the
+same function with the same weights: the same operations on the same values
+(query scaled after its projection, float32 softmax, post- or pre-norm as the
+layer says), minus the bookkeeping.  The query, key and value projections of
+self-attention are one matrix product over the concatenated weights (each
+output element is the same dot product).  Strict decoding stays identical to
+``--beam 1``; the exactness tests run on both implementations.
+
+Only the layer types of fairseq's Transformer are accepted
+(:func:`lean_unsupported_reason` names what is not); ``--verify-impl fairseq``
+keeps the generic path for everything else.
+"""
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+from ..models.projection import weight_fingerprint
+from .verifier import CachedVerifier
+
+
+def lean_unsupported_reason(decoder) -> Optional[str]:
+    """Why the lean pass cannot compute this decoder's function (None: it can)."""
+    if not isinstance(decoder, TransformerDecoderBase):
+        return f"{type(decoder).__name__} is not a fairseq Transformer decoder"
+    if getattr(decoder, "cross_self_attention", False):
+        return "cross_self_attention"
+    if getattr(decoder, "quant_noise", None) is not None:
+        return "quant_noise_pq on the embeddings"
+    for i, layer in enumerate(decoder.layers):
+        if type(layer) is not TransformerDecoderLayerBase and type(layer).__name__ != "TransformerDecoderLayer":
+            return f"layer {i} is a {type(layer).__name__}"
+        if layer.encoder_attn is None:
+            return f"layer {i} has no encoder attention"
+        for name in ("c_attn", "attn_ln", "ffn_layernorm", "w_resid"):
+            if getattr(layer, name, None) is not None:
+                return f"layer {i} has {name} (NormFormer)"
+        if getattr(layer, "cross_self_attention", False):
+            return f"layer {i} uses cross_self_attention"
+        for attn in (layer.self_attn, layer.encoder_attn):
+            if attn.bias_k is not None or attn.add_zero_attn:
+                return f"layer {i} has attention bias_k/add_zero_attn"
+            if getattr(attn, "use_xformers", False):
+                return f"layer {i} uses xformers attention"
+    return None
+
+
+def _transposed(linear) -> tuple:
+    """``(weight.t().contiguous(), bias)`` of an ``nn.Linear``, detached."""
+    bias = linear.bias.detach() if linear.bias is not None else None
+    return linear.weight.detach().t().contiguous(), bias
+
+
+def _linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``F.linear(x, weight, bias)`` through the pre-transposed weight.
+
+    On the CPUs measured here a product with a contiguous ``C_in x C_out``
+    matrix costs about half of ``F.linear``'s (whose weight reaches BLAS
+    transposed) for the few rows a verify pass has, with the same result
+    (each output is the same dot product; see the README's profile)."""
+    flat = x.reshape(-1, x.size(-1))
+    out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
+    return out.view(x.shape[:-1] + (weight_t.size(1),))
+
+
+class _Layer:
+    """One decoder layer's weights, gathered (and transposed) once."""
+
+    def __init__(self, layer):
+        sa, ca = layer.self_attn, layer.encoder_attn
+        self.heads = sa.num_heads
+        self.head_dim = sa.head_dim
+        self.scaling = sa.scaling
+        self.c_scaling = ca.scaling
+        self.c_heads = ca.num_heads
+        self.c_head_dim = ca.head_dim
+        self.normalize_before = layer.normalize_before
+        projections = [_transposed(sa.q_proj), _transposed(sa.k_proj), _transposed(sa.v_proj)]
+        self.qkv = (
+            torch.cat([w for w, _ in projections], dim=1).contiguous(),
+            None if any(b is None for _, b in projections) else torch.cat([b for _, b in projections]),
+        )
+        self.sa_out = _transposed(sa.out_proj)
+        self.sa_ln = layer.self_attn_layer_norm
+        self.ca_q = _transposed(ca.q_proj)
+        self.ca_k = _transposed(ca.k_proj)
+        self.ca_v = _transposed(ca.v_proj)
+        self.ca_out = _transposed(ca.out_proj)
+        self.ca_ln = layer.encoder_attn_layer_norm
+        self.fc1, self.fc2 = _transposed(layer.fc1), _transposed(layer.fc2)
+        self.activation = layer.activation_fn
+        self.final_ln = layer.final_layer_norm
+
+
+class LeanVerifier(CachedVerifier):
+    """:class:`CachedVerifier` with the lean pass (same interface, same output).
+
+    **Cache invariant** (between two :meth:`forward` calls): for active row r
+    with ``n_r = state.lengths[r]``, positions ``[0, n_r)`` of every layer's
+    ``keys[l][r]`` / ``values[l][r]`` (``B x heads x capacity x head_dim``) hold
+    the self-attention keys/values of ``[BOS, y_1, ..., y_{n_r - 1}]`` (every
+    accepted token except the newest); positions from ``n_r`` on are scratch.
+    A pass writes its ``m`` inputs at ``[n_r, n_r + m)`` and each row attends
+    only to positions up to its own input's, so :meth:`rollback` has nothing
+    to undo: committing ``n_new`` tokens makes ``[n_r, n_r + n_new)`` (the
+    previous newest token and the accepted drafts) part of the prefix and
+    leaves the rejected entries as scratch.  The encoder attention's keys and
+    values are computed once per batch; :meth:`reorder` keeps the rows that
+    stay in both.
+    """
+
+    impl = "lean"
+
+    def __init__(self, model, temperature: float = 1.0):
+        super().__init__(model, temperature)
+        reason = lean_unsupported_reason(self.decoder)
+        if reason is not None:
+            raise ValueError(f"--verify-impl lean cannot run this verifier: {reason}")
+        self.layers = []
+        self._weights_key = None
+        self.keys: List[Tensor] = []
+        self.values: List[Tensor] = []
+        self.cross: Optional[List[tuple]] = None
+        self.enc_mask: Optional[Tensor] = None
+
+    def _parameters_key(self) -> tuple:
+        """Fingerprints of the layers' weight matrices (an optimizer's update
+        through ``p.data`` changes no version counter: see
+        :mod:`fairseq_specdec.models.projection`)."""
+        return tuple(weight_fingerprint(p) for p in self.decoder.layers.parameters() if p.dim() == 2)
+
+    def start(self) -> None:
+        """A new batch: empty caches; the layers' weights gathered again if
+        any changed since the last batch (a model trained in between)."""
+        super().start()
+        key = self._parameters_key()
+        if key != self._weights_key:
+            self.layers = [_Layer(layer) for layer in self.decoder.layers]
+            self._weights_key = key
+        self.keys, self.values = [], []
+        self.cross = None
+        self.enc_mask = None
+
+    # -- cache -------------------------------------------------------------
+    def _prepare(self, state, width: int) -> None:
+        """Encoder attention memory (once per batch) and cache capacity >= width."""
+        if self.cross is None:
+            encoder_out = state.encoder_out
+            enc = encoder_out["encoder_out"][0]  # S x B x C
+            pad = encoder_out["encoder_padding_mask"]
+            pad = pad[0] if len(pad) > 0 else None
+            self.enc_mask = pad[:, None, None, :] if pad is not None and bool(pad.any()) else None
+            self.cross = []
+            for lw in self.layers:
+                s, b = enc.size(0), enc.size(1)
+                k = _linear(enc, *lw.ca_k).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).contiguous()
+                v = _linear(enc, *lw.ca_v).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).contiguous()
+                self.cross.append((k, v))
+        capacity = self.keys[0].size(2) if self.keys else 0
+        if width > capacity:
+            new_capacity = max(width, 2 * capacity, 32)
+            for store in (self.keys, self.values):
+                for i, lw in enumerate(self.layers):
+                    t = self.cross[i][0].new_zeros(state.size, lw.heads, new_capacity, lw.head_dim)
+                    if i < len(store):
+                        t[:, :, :capacity] = store[i]
+                        store[i] = t
+                    else:
+                        store.append(t)
+
+    # -- the pass ----------------------------------------------------------
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
+        dec = self.decoder
+        bsz, m = tokens.shape
+        lengths_host = state.lengths_host
+        x = dec.embed_scale * dec.embed_tokens(tokens)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        if self.position_table is not None:
+            index = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)
+            index = index.clamp_(max=self.position_table.size(0) - 1)
+            x = x + self.position_table[index]
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+
+        start = lengths_host[0]
+        uniform = all(n == start for n in lengths_host)
+        width = max(lengths_host) + m
+        self._prepare(state, width)
+        # which cache positions each new token sees: a row's own prefix and
+        # its inputs up to itself (additive mask, shared by every layer)
+        mask = None
+        if uniform:
+            if m > 1:
+                mask = torch.triu(x.new_full((m, m), -math.inf), 1)
+                if start > 0:
+                    mask = torch.cat([x.new_zeros(m, start), mask], dim=1)
+            rows = positions = None
+        else:
+            last = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # B x m
+            cols = torch.arange(width, device=tokens.device)
+            mask = x.new_zeros(bsz, 1, m, width).masked_fill_(
+                (cols.view(1, 1, -1) > last.unsqueeze(-1)).unsqueeze(1), -math.inf
+            )
+            rows = torch.arange(bsz, device=tokens.device).unsqueeze(1)
+            positions = last
+
+        for i, lw in enumerate(self.layers):
+            x = self._layer(lw, i, x, mask, start, width, rows, positions)
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        self.last_features = x
+        self._last_m = m
+        if needed is None:
+            return self._log_probs(x)
+        lprobs = x.new_full((bsz, m, self.vocab_size), -math.inf, dtype=torch.float)
+        lprobs[needed] = self._log_probs(x[needed]).float()
+        return lprobs
+
+    def _layer(self, lw: _Layer, i: int, x: Tensor, mask, start: int, width: int, rows, positions) -> Tensor:
+        bsz, m, dim = x.shape
+        h, hd = lw.heads, lw.head_dim
+        # self-attention over the cache
+        residual = x
+        if lw.normalize_before:
+            x = lw.sa_ln(x)
+        qkv = _linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
+        q = qkv[:, :, 0].transpose(1, 2) * lw.scaling  # B x h x m x hd
+        keys, values = self.keys[i], self.values[i]
+        if rows is None:
+            keys[:, :, start : start + m] = qkv[:, :, 1].transpose(1, 2)
+            values[:, :, start : start + m] = qkv[:, :, 2].transpose(1, 2)
+        else:
+            keys[rows, :, positions] = qkv[:, :, 1]
+            values[rows, :, positions] = qkv[:, :, 2]
+        scores = torch.matmul(q, keys[:, :, :width].transpose(2, 3))
+        if mask is not None:
+            scores = scores + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
+        attn = torch.matmul(probs, values[:, :, :width]).transpose(1, 2).reshape(bsz, m, dim)
+        x = residual + _linear(attn, *lw.sa_out)
+        if not lw.normalize_before:
+            x = lw.sa_ln(x)
+        # encoder attention
+        residual = x
+        if lw.normalize_before:
+            x = lw.ca_ln(x)
+        ch, chd = lw.c_heads, lw.c_head_dim
+        q = _linear(x, *lw.ca_q).view(bsz, m, ch, chd).transpose(1, 2) * lw.c_scaling
+        ck, cv = self.cross[i]
+        scores = torch.matmul(q, ck.transpose(2, 3))
+        if self.enc_mask is not None:
+            scores = scores.masked_fill(self.enc_mask, -math.inf)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
+        attn = torch.matmul(probs, cv).transpose(1, 2).reshape(bsz, m, ch * chd)
+        x = residual + _linear(attn, *lw.ca_out)
+        if not lw.normalize_before:
+            x = lw.ca_ln(x)
+        # feed-forward
+        residual = x
+        if lw.normalize_before:
+            x = lw.final_ln(x)
+        x = residual + _linear(lw.activation(_linear(x, *lw.fc1)), *lw.fc2)
+        if not lw.normalize_before:
+            x = lw.final_ln(x)
+        return x
+
+    def rollback(self, state, keep: Tensor, keep_host: List[int]) -> None:
+        """Nothing to undo: see the cache invariant."""
+
+    def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
+        if self.last_features is not None:
+            self.last_features = self.last_features.index_select(0, new_order)
+        width = max(state.lengths_host) if state.lengths_host else 0
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                kept = t.new_zeros((len(new_order_host),) + t.shape[1:])
+                kept[:, :, :width] = t[:, :, :width].index_select(0, new_order)
+                store[i] = kept
+        if self.cross is not None:
+            self.cross = [(k.index_select(0, new_order), v.index_select(0, new_order)) for k, v in self.cross]
+        if self.enc_mask is not None:
+            self.enc_mask = self.enc_mask.index_select(0, new_order)
+            if not bool(self.enc_mask.any()):
+                self.enc_mask = None
+        state.encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, new_order)

@@ -1,0 +1,214 @@
+"""The lean verify pass (``--verify-impl lean``, the default where it applies)
+computes the function fairseq's own layer modules compute.
+
+* pass by pass, on ragged batches, its log-probs and final states equal those
+  of :class:`CachedVerifier` (fairseq's modules) within float rounding, and
+  the strict output equals fairseq's ``--beam 1``;
+* the cache positions past a row's prefix (scratch) never reach the output,
+  whatever they hold;
+* pre-norm and GELU decoders are computed too; decoders it cannot compute
+  (NormFormer) fall back under ``auto`` and are refused by name under ``lean``;
+* ``--verify-impl`` reaches the generator fairseq-generate builds.
+"""
+import math
+
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
+import fairseq_specdec  # noqa: F401
+from fairseq_specdec.generation import Drafter, NATBlockDrafter, SpeculativeGenerator, StrictAcceptance
+from fairseq_specdec.generation.lean_verifier import LeanVerifier, lean_unsupported_reason
+from fairseq_specdec.generation.verifier import CachedVerifier, build_verifier
+
+
+class PairedVerifier:
+    """Runs the lean pass and fairseq's side by side on the same state and
+    checks every pass; the loop follows the lean one."""
+
+    impl = "paired"
+
+    def __init__(self, model):
+        self.lean = LeanVerifier(model)
+        self.ref = CachedVerifier(model)
+        self.passes = 0
+        self.ragged_passes = 0
+        self.widest = 0
+
+    def encode(self, net_input):
+        return self.lean.encode(net_input)
+
+    def start(self):
+        self.lean.start()
+        self.ref.start()
+
+    def forward(self, tokens, state, needed=None):
+        got = self.lean.forward(tokens, state, needed)
+        want = self.ref.forward(tokens, state, needed)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        assert torch.isfinite(got[finite]).all()
+        assert torch.allclose(got[finite], want[finite], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(self.lean.last_features, self.ref.last_features, atol=1e-5, rtol=1e-5)
+        self.passes += 1
+        self.widest = max(self.widest, tokens.size(1))
+        self.ragged_passes += len(set(state.lengths_host)) > 1
+        return got
+
+    @property
+    def last_features(self):
+        return self.lean.last_features
+
+    def rollback(self, state, keep, keep_host):
+        self.lean.rollback(state, keep, keep_host)
+        self.ref.rollback(state, keep, keep_host)
+
+    def reorder(self, state, new_order, new_order_host):
+        encoder_out = state.encoder_out
+        self.ref.reorder(state, new_order, new_order_host)
+        state.encoder_out = encoder_out  # each reorders the state's encoder output once
+        self.lean.reorder(state, new_order, new_order_host)
+
+
+class ScratchPoisoningVerifier(LeanVerifier):
+    """Fills every cache position past each row's prefix with large finite
+    garbage after each commit: the invariant says nothing reads it."""
+
+    def rollback(self, state, keep, keep_host):
+        super().rollback(state, keep, keep_host)
+        new_lengths = [n + k for n, k in zip(state.lengths_host, keep_host)]
+        for store in (self.keys, self.values):
+            for t in store:
+                for r, n in enumerate(new_lengths):
+                    t[r, :, n:] = torch.empty_like(t[r, :, n:]).uniform_(-1e4, 1e4)
+
+
+class PartlyRightDrafter(Drafter):
+    """Proposes the reference continuation, wrong from slot ``sid % (k + 1)``
+    on: rows accept different numbers of drafts, so lengths become ragged."""
+
+    def __init__(self, refs, wrong):
+        self.refs, self.wrong = refs, wrong
+
+    def start_batch(self, state):
+        pass
+
+    def propose(self, state, k):
+        ids = state.sample["id"].tolist()
+        out = []
+        for i, row in enumerate(state.rows):
+            sid = ids[row]
+            n = state.lengths_host[i]
+            cont = (self.refs[sid][n : n + k] + [self.wrong] * k)[:k]
+            cut = sid % (k + 1)
+            out.append(cont[:cut] + [self.wrong] * (k - cut))
+        return torch.tensor(out, dtype=torch.long).view(len(out), k), None
+
+    def reorder(self, new_order):
+        pass
+
+
+def strict_generator(model, drafter, tgt_dict, verifier, k=4, opts="default"):
+    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), tgt_dict, block_size=k, **OPTION_SETS[opts])
+    gen.verifier = verifier
+    return gen
+
+
+@pytest.mark.slow  # needs the trained toy verifier
+@pytest.mark.parametrize("opts", ["default", "max_len_3", "lenpen_unkpen_temp"])
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, opts, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = run_generator(seq_gen(model, d, OPTION_SETS[opts]), model, H.batches(task, "test", bsz))
+    paired = PairedVerifier(model)
+    paired.lean.temperature = paired.ref.temperature = OPTION_SETS[opts].get("temperature", 1.0)
+    drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
+    got = run_generator(strict_generator(model, drafter, d, paired, opts=opts), model, H.batches(task, "test", bsz))
+    assert_identical(ref, got)
+    assert paired.passes > 0
+    if bsz > 1 and opts == "default":
+        assert paired.ragged_passes > 0  # the row-indexed cache writes were exercised
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_scratch_cache_positions_never_reach_the_output(verifier, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = run_generator(seq_gen(model, d, OPTION_SETS["default"]), model, H.batches(task, "test", bsz))
+    drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
+    clean = run_generator(strict_generator(model, drafter, d, LeanVerifier(model)), model, H.batches(task, "test", bsz))
+    poisoned = run_generator(
+        strict_generator(model, drafter, d, ScratchPoisoningVerifier(model)), model, H.batches(task, "test", bsz)
+    )
+    assert_identical(clean, poisoned, atol=0)
+    assert_identical(ref, poisoned)
+
+
+def untrained_transformer(toy_bin, *extra):
+    """An untrained tiny Transformer (random weights) with the given options."""
+    from fairseq import tasks
+
+    _, cfg = H.train_args_namespace(
+        toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, "--dropout", "0.0", "--cpu", *extra
+    )
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(3)
+    model = task.build_model(cfg.model).eval()
+    task.load_dataset("test")
+    return model, task
+
+
+@pytest.mark.parametrize("extra", [
+    ("--decoder-normalize-before", "--encoder-normalize-before"),
+    ("--activation-fn", "gelu"),
+])
+def test_pre_norm_and_gelu_decoders(toy_bin, tiny_drafter, extra):
+    model, task = untrained_transformer(toy_bin, *extra)
+    assert lean_unsupported_reason(model.decoder) is None
+    d = task.target_dictionary
+    for bsz in (1, 5):
+        paired = PairedVerifier(model)
+        gen = SpeculativeGenerator(model, NATBlockDrafter(tiny_drafter[0]), StrictAcceptance(), d, block_size=3, max_len_a=0, max_len_b=12)
+        gen.verifier = paired
+        ref = run_generator(seq_gen(model, d, dict(max_len_a=0, max_len_b=12, min_len=1)), model, H.batches(task, "test", bsz))
+        assert_identical(ref, run_generator(gen, model, H.batches(task, "test", bsz)))
+        assert paired.passes > 0
+        assert paired.widest > 1  # drafts were verified, not only one-token steps
+
+
+def test_normformer_falls_back_under_auto_and_is_refused_under_lean(toy_bin):
+    model, _ = untrained_transformer(toy_bin)
+    # what a NormFormer decoder layer (fairseq's scale_attn) carries
+    model.decoder.layers[1].attn_ln = torch.nn.LayerNorm(model.decoder.embed_dim)
+    reason = lean_unsupported_reason(model.decoder)
+    assert reason is not None and "NormFormer" in reason
+    assert type(build_verifier(model, impl="auto")) is CachedVerifier
+    with pytest.raises(ValueError, match="--verify-impl lean cannot run this verifier: .*NormFormer"):
+        build_verifier(model, impl="lean")
+    with pytest.raises(ValueError, match="--verify-impl must be one of"):
+        build_verifier(model, impl="fast")
+
+
+@pytest.mark.slow
+def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
+    """fairseq-generate's options build the verify pass they name; both decode
+    what --beam 1 decodes."""
+    from fairseq import checkpoint_utils
+
+    kinds = {}
+    for impl in (None, "lean", "fairseq"):
+        argv = ["--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "draft-verify",
+                "--drafter-path", random_drafter_checkpoint, "--beam", "1"]
+        if impl is not None:
+            argv += ["--verify-impl", impl]
+        cfg = H.generation_cfg(toy_bin, *argv)
+        from fairseq import tasks
+
+        task = tasks.setup_task(cfg.task)
+        models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
+        gen = task.build_generator(models, cfg.generation)
+        kinds[impl] = gen.verifier.impl
+    assert kinds == {None: "lean", "lean": "lean", "fairseq": "fairseq"}
