@@ -165,8 +165,9 @@ class LeanVerifier(CachedVerifier):
             self.cross = []
             for lw in self.layers:
                 s, b = enc.size(0), enc.size(1)
-                k = _linear(enc, *lw.ca_k).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).contiguous()
-                v = _linear(enc, *lw.ca_v).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).contiguous()
+                shape = (b * lw.c_heads, s, lw.c_head_dim)
+                k = _linear(enc, *lw.ca_k).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).reshape(shape)
+                v = _linear(enc, *lw.ca_v).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).reshape(shape)
                 self.cross.append((k, v))
         capacity = self.keys[0].size(2) if self.keys else 0
         if width > capacity:
@@ -239,7 +240,9 @@ class LeanVerifier(CachedVerifier):
         if lw.normalize_before:
             x = lw.sa_ln(x)
         qkv = _linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
-        q = qkv[:, :, 0].transpose(1, 2) * lw.scaling  # B x h x m x hd
+        # attention as fairseq computes it: bmm over (B * heads) matrices; the
+        # cache is read through strided views (torch.matmul would copy them)
+        q = (qkv[:, :, 0] * lw.scaling).transpose(1, 2).reshape(bsz * h, m, hd)
         keys, values = self.keys[i], self.values[i]
         if rows is None:
             keys[:, :, start : start + m] = qkv[:, :, 1].transpose(1, 2)
@@ -247,11 +250,14 @@ class LeanVerifier(CachedVerifier):
         else:
             keys[rows, :, positions] = qkv[:, :, 1]
             values[rows, :, positions] = qkv[:, :, 2]
-        scores = torch.matmul(q, keys[:, :, :width].transpose(2, 3))
+        capacity = keys.size(2)
+        k3 = keys.view(bsz * h, capacity, hd)[:, :width]
+        v3 = values.view(bsz * h, capacity, hd)[:, :width]
+        scores = torch.bmm(q, k3.transpose(1, 2))
         if mask is not None:
-            scores = scores + mask
+            scores = (scores.view(bsz, h, m, width) + mask).view(bsz * h, m, width)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
-        attn = torch.matmul(probs, values[:, :, :width]).transpose(1, 2).reshape(bsz, m, dim)
+        attn = torch.bmm(probs, v3).view(bsz, h, m, hd).transpose(1, 2).reshape(bsz, m, dim)
         x = residual + _linear(attn, *lw.sa_out)
         if not lw.normalize_before:
             x = lw.sa_ln(x)
@@ -260,13 +266,14 @@ class LeanVerifier(CachedVerifier):
         if lw.normalize_before:
             x = lw.ca_ln(x)
         ch, chd = lw.c_heads, lw.c_head_dim
-        q = _linear(x, *lw.ca_q).view(bsz, m, ch, chd).transpose(1, 2) * lw.c_scaling
-        ck, cv = self.cross[i]
-        scores = torch.matmul(q, ck.transpose(2, 3))
+        q = (_linear(x, *lw.ca_q).view(bsz, m, ch, chd) * lw.c_scaling).transpose(1, 2).reshape(bsz * ch, m, chd)
+        ck, cv = self.cross[i]  # B*ch x S x chd
+        scores = torch.bmm(q, ck.transpose(1, 2))
         if self.enc_mask is not None:
-            scores = scores.masked_fill(self.enc_mask, -math.inf)
+            src = scores.size(-1)
+            scores = scores.view(bsz, ch, m, src).masked_fill(self.enc_mask, -math.inf).view(bsz * ch, m, src)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
-        attn = torch.matmul(probs, cv).transpose(1, 2).reshape(bsz, m, ch * chd)
+        attn = torch.bmm(probs, cv).view(bsz, ch, m, chd).transpose(1, 2).reshape(bsz, m, ch * chd)
         x = residual + _linear(attn, *lw.ca_out)
         if not lw.normalize_before:
             x = lw.ca_ln(x)
@@ -292,7 +299,11 @@ class LeanVerifier(CachedVerifier):
                 kept[:, :, :width] = t[:, :, :width].index_select(0, new_order)
                 store[i] = kept
         if self.cross is not None:
-            self.cross = [(k.index_select(0, new_order), v.index_select(0, new_order)) for k, v in self.cross]
+            kept = []
+            for lw, (k, v) in zip(self.layers, self.cross):  # B*heads x S x d: select whole rows
+                shape = (-1, lw.c_heads) + tuple(k.shape[1:])
+                kept.append(tuple(t.view(shape).index_select(0, new_order).view((-1,) + tuple(t.shape[1:])) for t in (k, v)))
+            self.cross = kept
         if self.enc_mask is not None:
             self.enc_mask = self.enc_mask.index_select(0, new_order)
             if not bool(self.enc_mask.any()):
