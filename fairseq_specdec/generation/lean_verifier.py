@@ -75,6 +75,23 @@ def _linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Tensor:
     return out.view(x.shape[:-1] + (weight_t.size(1),))
 
 
+def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added=None, masked=None) -> Tensor:
+    """Attention as fairseq's MultiheadAttention computes it, over
+    ``(B * heads) x len x d`` matrices (keys/values may be strided views):
+    scores, plus the additive mask ``added`` or with ``masked`` (True = no
+    attention) set to -inf, float32 softmax, weighted values.  Returns
+    B x m x (heads * d)."""
+    m, d = q.size(1), q.size(2)
+    scores = torch.bmm(q, keys.transpose(1, 2))
+    length = scores.size(-1)
+    if added is not None:
+        scores = (scores.view(bsz, heads, m, length) + added).view(bsz * heads, m, length)
+    if masked is not None:
+        scores = scores.view(bsz, heads, m, length).masked_fill(masked, -math.inf).view(bsz * heads, m, length)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
+    return torch.bmm(probs, values).view(bsz, heads, m, d).transpose(1, 2).reshape(bsz, m, heads * d)
+
+
 class _Layer:
     """One decoder layer's weights, gathered (and transposed) once."""
 
@@ -183,18 +200,9 @@ class LeanVerifier(CachedVerifier):
 
     # -- the pass ----------------------------------------------------------
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
-        dec = self.decoder
         bsz, m = tokens.shape
         lengths_host = state.lengths_host
-        x = dec.embed_scale * dec.embed_tokens(tokens)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
-        if self.position_table is not None:
-            index = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)
-            index = index.clamp_(max=self.position_table.size(0) - 1)
-            x = x + self.position_table[index]
-        if dec.layernorm_embedding is not None:
-            x = dec.layernorm_embedding(x)
+        x = self._embed(tokens, state)
 
         start = lengths_host[0]
         uniform = all(n == start for n in lengths_host)
@@ -220,70 +228,43 @@ class LeanVerifier(CachedVerifier):
 
         for i, lw in enumerate(self.layers):
             x = self._layer(lw, i, x, mask, start, width, rows, positions)
-        if dec.layer_norm is not None:
-            x = dec.layer_norm(x)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
-        self.last_features = x
-        self._last_m = m
-        if needed is None:
-            return self._log_probs(x)
-        lprobs = x.new_full((bsz, m, self.vocab_size), -math.inf, dtype=torch.float)
-        lprobs[needed] = self._log_probs(x[needed]).float()
-        return lprobs
+        return self._finish(x, needed)
 
     def _layer(self, lw: _Layer, i: int, x: Tensor, mask, start: int, width: int, rows, positions) -> Tensor:
-        bsz, m, dim = x.shape
-        h, hd = lw.heads, lw.head_dim
-        # self-attention over the cache
-        residual = x
-        if lw.normalize_before:
-            x = lw.sa_ln(x)
-        qkv = _linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
-        # attention as fairseq computes it: bmm over (B * heads) matrices; the
-        # cache is read through strided views (torch.matmul would copy them)
-        q = (qkv[:, :, 0] * lw.scaling).transpose(1, 2).reshape(bsz * h, m, hd)
-        keys, values = self.keys[i], self.values[i]
-        if rows is None:
-            keys[:, :, start : start + m] = qkv[:, :, 1].transpose(1, 2)
-            values[:, :, start : start + m] = qkv[:, :, 2].transpose(1, 2)
-        else:
-            keys[rows, :, positions] = qkv[:, :, 1]
-            values[rows, :, positions] = qkv[:, :, 2]
-        capacity = keys.size(2)
-        k3 = keys.view(bsz * h, capacity, hd)[:, :width]
-        v3 = values.view(bsz * h, capacity, hd)[:, :width]
-        scores = torch.bmm(q, k3.transpose(1, 2))
-        if mask is not None:
-            scores = (scores.view(bsz, h, m, width) + mask).view(bsz * h, m, width)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
-        attn = torch.bmm(probs, v3).view(bsz, h, m, hd).transpose(1, 2).reshape(bsz, m, dim)
-        x = residual + _linear(attn, *lw.sa_out)
-        if not lw.normalize_before:
-            x = lw.sa_ln(x)
-        # encoder attention
-        residual = x
-        if lw.normalize_before:
-            x = lw.ca_ln(x)
-        ch, chd = lw.c_heads, lw.c_head_dim
-        q = (_linear(x, *lw.ca_q).view(bsz, m, ch, chd) * lw.c_scaling).transpose(1, 2).reshape(bsz * ch, m, chd)
-        ck, cv = self.cross[i]  # B*ch x S x chd
-        scores = torch.bmm(q, ck.transpose(1, 2))
-        if self.enc_mask is not None:
-            src = scores.size(-1)
-            scores = scores.view(bsz, ch, m, src).masked_fill(self.enc_mask, -math.inf).view(bsz * ch, m, src)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
-        attn = torch.bmm(probs, cv).view(bsz, ch, m, chd).transpose(1, 2).reshape(bsz, m, ch * chd)
-        x = residual + _linear(attn, *lw.ca_out)
-        if not lw.normalize_before:
-            x = lw.ca_ln(x)
-        # feed-forward
-        residual = x
-        if lw.normalize_before:
-            x = lw.final_ln(x)
-        x = residual + _linear(lw.activation(_linear(x, *lw.fc1)), *lw.fc2)
-        if not lw.normalize_before:
-            x = lw.final_ln(x)
+        bsz, m, _ = x.shape
+
+        def self_attention(x: Tensor) -> Tensor:
+            h, hd = lw.heads, lw.head_dim
+            qkv = _linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
+            # bmm over (B * heads) matrices, as fairseq computes attention; the
+            # cache is read through strided views (torch.matmul would copy them)
+            q = (qkv[:, :, 0] * lw.scaling).transpose(1, 2).reshape(bsz * h, m, hd)
+            keys, values = self.keys[i], self.values[i]
+            if rows is None:
+                keys[:, :, start : start + m] = qkv[:, :, 1].transpose(1, 2)
+                values[:, :, start : start + m] = qkv[:, :, 2].transpose(1, 2)
+            else:
+                keys[rows, :, positions] = qkv[:, :, 1]
+                values[rows, :, positions] = qkv[:, :, 2]
+            capacity = keys.size(2)
+            k3 = keys.view(bsz * h, capacity, hd)[:, :width]
+            v3 = values.view(bsz * h, capacity, hd)[:, :width]
+            return _linear(_attend(q, k3, v3, bsz, h, added=mask), *lw.sa_out)
+
+        def encoder_attention(x: Tensor) -> Tensor:
+            h, hd = lw.c_heads, lw.c_head_dim
+            q = (_linear(x, *lw.ca_q).view(bsz, m, h, hd) * lw.c_scaling).transpose(1, 2).reshape(bsz * h, m, hd)
+            keys, values = self.cross[i]  # B*heads x S x head_dim
+            return _linear(_attend(q, keys, values, bsz, h, masked=self.enc_mask), *lw.ca_out)
+
+        def feed_forward(x: Tensor) -> Tensor:
+            return _linear(lw.activation(_linear(x, *lw.fc1)), *lw.fc2)
+
+        for sublayer, norm in ((self_attention, lw.sa_ln), (encoder_attention, lw.ca_ln), (feed_forward, lw.final_ln)):
+            if lw.normalize_before:
+                x = x + sublayer(norm(x))
+            else:
+                x = norm(x + sublayer(x))
         return x
 
     def rollback(self, state, keep: Tensor, keep_host: List[int]) -> None:

@@ -85,20 +85,8 @@ class CachedVerifier:
         ragged batch, the slots after a row's shorter draft).
         """
         dec = self.decoder
-        bsz, m = tokens.shape
-        x = dec.embed_scale * dec.embed_tokens(tokens)
-        if dec.quant_noise is not None:
-            x = dec.quant_noise(x)
-        if dec.project_in_dim is not None:
-            x = dec.project_in_dim(x)
-        if self.position_table is not None:
-            index = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)
-            index = index.clamp_(max=self.position_table.size(0) - 1)
-            x = x + self.position_table[index]
-        if dec.layernorm_embedding is not None:
-            x = dec.layernorm_embedding(x)
-        x = dec.dropout_module(x)
-        x = x.transpose(0, 1)
+        m = tokens.size(1)
+        x = self._embed(tokens, state).transpose(0, 1)
 
         cached = self._cache_width()
         attn_mask = None
@@ -121,12 +109,34 @@ class CachedVerifier:
             x, _, _ = layer(
                 x, enc, enc_pad, self.incremental_state, self_attn_mask=attn_mask
             )
+        return self._finish(x.transpose(0, 1), needed)
+
+    def _embed(self, tokens: Tensor, state) -> Tensor:
+        """B x m x C inputs of the new tokens, each at its row's absolute position."""
+        dec = self.decoder
+        x = dec.embed_scale * dec.embed_tokens(tokens)
+        if dec.quant_noise is not None:
+            x = dec.quant_noise(x)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        if self.position_table is not None:
+            index = state.lengths.unsqueeze(1) + torch.arange(tokens.size(1), device=tokens.device)
+            index = index.clamp_(max=self.position_table.size(0) - 1)
+            x = x + self.position_table[index]
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+        return dec.dropout_module(x)
+
+    def _finish(self, x: Tensor, needed: Optional[Tensor]) -> Tensor:
+        """From the last layer's output (B x m x C) to log-probs: final norm and
+        projection; the features are kept for the drafters (``last_features``)."""
+        dec = self.decoder
         if dec.layer_norm is not None:
             x = dec.layer_norm(x)
-        x = x.transpose(0, 1)
         if dec.project_out_dim is not None:
             x = dec.project_out_dim(x)
         self.last_features = x  # B x m x C: what drafters reading the verifier's states use
+        bsz, m = x.shape[:2]
         self._last_m = m
         if needed is None:
             return self._log_probs(x)
