@@ -27,7 +27,7 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from ..models.projection import weight_fingerprint
+from ..models.projection import transposed_linear, weight_fingerprint
 from .verifier import CachedVerifier
 
 
@@ -61,18 +61,6 @@ def _transposed(linear) -> tuple:
     """``(weight.t().contiguous(), bias)`` of an ``nn.Linear``, detached."""
     bias = linear.bias.detach() if linear.bias is not None else None
     return linear.weight.detach().t().contiguous(), bias
-
-
-def _linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``F.linear(x, weight, bias)`` through the pre-transposed weight.
-
-    On the CPUs measured here a product with a contiguous ``C_in x C_out``
-    matrix costs about half of ``F.linear``'s (whose weight reaches BLAS
-    transposed) for the few rows a verify pass has, with the same result
-    (each output is the same dot product; see the README's profile)."""
-    flat = x.reshape(-1, x.size(-1))
-    out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
-    return out.view(x.shape[:-1] + (weight_t.size(1),))
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added=None, masked=None) -> Tensor:
@@ -182,10 +170,12 @@ class LeanVerifier(CachedVerifier):
             self.cross = []
             for lw in self.layers:
                 s, b = enc.size(0), enc.size(1)
+                heads = (s, b, lw.c_heads, lw.c_head_dim)
                 shape = (b * lw.c_heads, s, lw.c_head_dim)
-                k = _linear(enc, *lw.ca_k).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).reshape(shape)
-                v = _linear(enc, *lw.ca_v).view(s, b, lw.c_heads, lw.c_head_dim).permute(1, 2, 0, 3).reshape(shape)
-                self.cross.append((k, v))
+                self.cross.append(tuple(
+                    transposed_linear(enc, *proj).view(heads).permute(1, 2, 0, 3).reshape(shape)
+                    for proj in (lw.ca_k, lw.ca_v)
+                ))
         capacity = self.keys[0].size(2) if self.keys else 0
         if width > capacity:
             new_capacity = max(width, 2 * capacity, 32)
@@ -235,7 +225,7 @@ class LeanVerifier(CachedVerifier):
 
         def self_attention(x: Tensor) -> Tensor:
             h, hd = lw.heads, lw.head_dim
-            qkv = _linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
+            qkv = transposed_linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
             # bmm over (B * heads) matrices, as fairseq computes attention; the
             # cache is read through strided views (torch.matmul would copy them)
             q = (qkv[:, :, 0] * lw.scaling).transpose(1, 2).reshape(bsz * h, m, hd)
@@ -249,16 +239,17 @@ class LeanVerifier(CachedVerifier):
             capacity = keys.size(2)
             k3 = keys.view(bsz * h, capacity, hd)[:, :width]
             v3 = values.view(bsz * h, capacity, hd)[:, :width]
-            return _linear(_attend(q, k3, v3, bsz, h, added=mask), *lw.sa_out)
+            return transposed_linear(_attend(q, k3, v3, bsz, h, added=mask), *lw.sa_out)
 
         def encoder_attention(x: Tensor) -> Tensor:
             h, hd = lw.c_heads, lw.c_head_dim
-            q = (_linear(x, *lw.ca_q).view(bsz, m, h, hd) * lw.c_scaling).transpose(1, 2).reshape(bsz * h, m, hd)
+            q = transposed_linear(x, *lw.ca_q).view(bsz, m, h, hd) * lw.c_scaling
+            q = q.transpose(1, 2).reshape(bsz * h, m, hd)
             keys, values = self.cross[i]  # B*heads x S x head_dim
-            return _linear(_attend(q, keys, values, bsz, h, masked=self.enc_mask), *lw.ca_out)
+            return transposed_linear(_attend(q, keys, values, bsz, h, masked=self.enc_mask), *lw.ca_out)
 
         def feed_forward(x: Tensor) -> Tensor:
-            return _linear(lw.activation(_linear(x, *lw.fc1)), *lw.fc2)
+            return transposed_linear(lw.activation(transposed_linear(x, *lw.fc1)), *lw.fc2)
 
         for sublayer, norm in ((self_attention, lw.sa_ln), (encoder_attention, lw.ca_ln), (feed_forward, lw.final_ln)):
             if lw.normalize_before:
@@ -281,9 +272,10 @@ class LeanVerifier(CachedVerifier):
                 store[i] = kept
         if self.cross is not None:
             kept = []
-            for lw, (k, v) in zip(self.layers, self.cross):  # B*heads x S x d: select whole rows
-                shape = (-1, lw.c_heads) + tuple(k.shape[1:])
-                kept.append(tuple(t.view(shape).index_select(0, new_order).view((-1,) + tuple(t.shape[1:])) for t in (k, v)))
+            for lw, pair in zip(self.layers, self.cross):  # B*heads x S x d: select whole rows
+                rest = tuple(pair[0].shape[1:])
+                rows = [t.view((-1, lw.c_heads) + rest).index_select(0, new_order) for t in pair]
+                kept.append(tuple(t.view((-1,) + rest) for t in rows))
             self.cross = kept
         if self.enc_mask is not None:
             self.enc_mask = self.enc_mask.index_select(0, new_order)

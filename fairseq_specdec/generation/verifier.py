@@ -19,8 +19,6 @@ from ..models.projection import TransposedProjection
 
 
 class CachedVerifier:
-    #: what ``--verify-impl`` calls this implementation
-    impl = "fairseq"
     """Parallel verification with a KV cache that can be rolled back.
 
     **Cache invariant** (between two :meth:`forward` calls): for every active
@@ -36,6 +34,9 @@ class CachedVerifier:
     :meth:`~fairseq_specdec.generation.state.DecodingState.keep` calls.  The
     cache lengths are the state's lengths: the verifier keeps no copy.
     """
+
+    #: what ``--verify-impl`` calls this implementation
+    impl = "fairseq"
 
     def __init__(self, model, temperature: float = 1.0):
         decoder = model.decoder
@@ -231,6 +232,6 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto") -> Cache
         raise ValueError(f"--verify-impl must be one of {', '.join(VERIFY_IMPLS)}, got {impl!r}")
     if impl == "fairseq":
         return CachedVerifier(model, temperature)
-    if impl == "auto" and lean_unsupported_reason(getattr(model, "decoder", None) or model) is not None:
+    if impl == "auto" and lean_unsupported_reason(getattr(model, "decoder", None)) is not None:
         return CachedVerifier(model, temperature)
     return LeanVerifier(model, temperature)

@@ -90,8 +90,12 @@ def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     cache = module.__dict__.get("_specdec_weight_t")
     if cache is None:
         cache = module.__dict__["_specdec_weight_t"] = TransposedWeight()
-    weight_t = cache.get(module.weight)
+    return transposed_linear(x, cache.get(module.weight), module.bias)
+
+
+def transposed_linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` through ``weight_t = weight.t().contiguous()``
+    (``C_in x C_out``), for inputs of any leading shape."""
     flat = x.reshape(-1, x.size(-1))
-    bias = module.bias
     out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
     return out.view(x.shape[:-1] + (out.size(-1),))
