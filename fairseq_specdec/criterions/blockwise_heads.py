@@ -8,6 +8,13 @@ greedy output, and hence draft-verify's output, stays that of the original
 verifier); ``--blockwise-finetune`` also trains the base with its own loss,
 the paper's fine-tuning variant.  ``head{i}_acc`` is head i's accuracy: the
 probability that its draft matches the gold token, a proxy for acceptance.
+
+``--head-shortlist N`` restricts each head's softmax to the N most frequent
+types plus the batch's gold tokens (a sampled softmax whose sample always
+holds the gold token): an update's projection and softmax then cost about
+``(N + distinct gold tokens) / V`` of the full ones.  ``head{i}_acc`` is then
+the accuracy among those types, at most slightly above the full-vocabulary
+one.  Heads are only drafters, so this changes no output of strict decoding.
 """
 import math
 from dataclasses import dataclass, field
@@ -27,14 +34,26 @@ class BlockwiseHeadsConfig(FairseqDataclass):
         default=False,
         metadata={"help": "also train the base model (its greedy output then changes)"},
     )
+    head_shortlist: int = field(
+        default=0,
+        metadata={
+            "help": "each head's softmax over the N most frequent types (dictionary order) plus the "
+            "batch's gold tokens instead of the whole vocabulary (0: the whole vocabulary); an "
+            "update then costs about N / V of the projection, and the drafter decodes over a "
+            "shortlist too"
+        },
+    )
 
 
 @register_criterion("blockwise_heads", dataclass=BlockwiseHeadsConfig)
 class BlockwiseHeadsCriterion(FairseqCriterion):
-    def __init__(self, task, label_smoothing, blockwise_finetune):
+    def __init__(self, task, label_smoothing, blockwise_finetune, head_shortlist=0):
         super().__init__(task)
         self.eps = label_smoothing
         self.finetune = blockwise_finetune
+        if head_shortlist < 0:
+            raise ValueError(f"--head-shortlist must be >= 0 (0: the whole vocabulary), got {head_shortlist}")
+        self.head_shortlist = head_shortlist
 
     def forward(self, model, sample, reduce=True):
         if not getattr(model, "has_blockwise_heads", False):
@@ -56,14 +75,15 @@ class BlockwiseHeadsCriterion(FairseqCriterion):
             mask = target.ne(self.padding_idx)
             loss, nll = label_smoothed_nll_loss(lprobs[mask], target[mask].unsqueeze(-1), self.eps, reduce=True)
             total_loss, total_nll, n_tokens = loss, nll, int(mask.sum())
-        head_logits = model.head_logits(features, frozen_projection=not self.finetune)  # B x T x (k-1) x V
-        for i in range(head_logits.size(2)):
+        hidden = model.heads(features)  # B x T x (k-1) x C
+        vocab, position = self.shortlist(target, len(self.task.target_dictionary))
+        for i in range(hidden.size(2)):
             ahead = i + 1
             tgt = target[:, ahead:]
-            logits = head_logits[:, : tgt.size(1), i]
             mask = tgt.ne(self.padding_idx)
-            lprobs = utils.log_softmax(logits[mask], dim=-1)
-            gold = tgt[mask]
+            logits = model.project_heads(hidden[:, : tgt.size(1), i][mask], frozen_projection=not self.finetune, vocab=vocab)
+            lprobs = utils.log_softmax(logits, dim=-1)
+            gold = tgt[mask] if position is None else position[tgt[mask]]
             loss, nll = label_smoothed_nll_loss(lprobs, gold.unsqueeze(-1), self.eps, reduce=True)
             total_loss = total_loss + loss
             total_nll = total_nll + nll
@@ -74,6 +94,19 @@ class BlockwiseHeadsCriterion(FairseqCriterion):
             loss=total_loss.data, nll_loss=total_nll.data, ntokens=n_tokens, sample_size=n_tokens
         )
         return total_loss, n_tokens, logging_output
+
+    def shortlist(self, target, num_types: int):
+        """``(vocab, position)``: the types each head's softmax covers (the
+        ``--head-shortlist`` most frequent plus the batch's gold tokens, sorted)
+        and every type's index among them (-1: not covered); ``(None, None)``
+        for the whole vocabulary."""
+        if not 0 < self.head_shortlist < num_types:
+            return None, None
+        common = torch.arange(self.head_shortlist, device=target.device)
+        vocab = torch.unique(torch.cat([common, target[target.ne(self.padding_idx)]]))
+        position = torch.full((num_types,), -1, dtype=torch.long, device=target.device)
+        position[vocab] = torch.arange(vocab.numel(), device=target.device)
+        return vocab, position
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:

@@ -149,7 +149,10 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
     heads = verifier.blockwise_k - 1
     k = ctx.cfg.block_size
     block_size = min(k, heads) if k is not None else heads
-    return BuiltDrafter(BlockwiseHeadsDrafter(verifier), block_size, f"{heads} blockwise heads of the verifier")
+    drafter = BlockwiseHeadsDrafter(verifier)
+    return BuiltDrafter(
+        drafter, block_size, f"{heads} blockwise heads of the verifier (shortlist {drafter.shortlist or 'off'})"
+    )
 
 
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:

@@ -210,21 +210,55 @@ class BlockwiseHeadsDrafter(Drafter):
     ``blockwise_transformer`` read the verifier's state at the last accepted
     draft slot of the previous pass, whose base prediction is the token the
     loop just appended, and propose the k-1 tokens after it (the merged
-    verify-and-predict step of section 4).  The first iteration has no draft."""
+    verify-and-predict step of section 4).  The first iteration has no draft.
 
-    def __init__(self, model):
+    Per batch it lays the heads' weights out for one product each (the first
+    layers of all heads side by side, the second layers as a batched product)
+    and picks the shortlist (the model's ``blockwise_shortlist`` most frequent
+    types plus the batch's source tokens when the dictionaries are joined), so
+    an update costs three small products and one projection of k-1 rows onto
+    the shortlist.  Padding and BOS are never drafted."""
+
+    def __init__(self, model, shortlist: Optional[int] = None):
         if not getattr(model, "has_blockwise_heads", False):
             raise ValueError(f"--decoding blockwise needs a blockwise_transformer, got {type(model).__name__}")
         self.model = model
+        num_types = len(model.decoder.dictionary)
+        shortlist = getattr(model, "blockwise_shortlist", 0) if shortlist is None else shortlist
+        self.shortlist = shortlist if 0 < shortlist < num_types else 0
+        self.joined = model.encoder.embed_tokens.weight.data_ptr() == model.decoder.embed_tokens.weight.data_ptr()
         self.pending = None  # B x (k-1) drafts for the next iteration
+        self.w1 = self.b1 = self.w2 = self.b2 = None
+        self.vocab = self.weight_t = self.bias = None
 
     def start_batch(self, state):
         self.pending = None
+        heads = self.model.heads
+        num_heads, dim, hidden = heads.fc1.shape
+        self.w1 = heads.fc1.detach().permute(1, 0, 2).reshape(dim, num_heads * hidden)
+        self.b1 = heads.b1.detach().reshape(-1)
+        self.w2, self.b2 = heads.fc2.detach(), heads.b2.detach().unsqueeze(1)
+        projection = self.model.decoder.output_projection
+        weight = projection.weight.detach()
+        if self.shortlist:
+            ids = torch.arange(self.shortlist, device=weight.device)
+            if self.joined:
+                ids = torch.unique(torch.cat([ids, state.net_input["src_tokens"].flatten()]))
+            self.vocab, weight = ids, weight.index_select(0, ids)
+        else:
+            self.vocab, ids = None, torch.arange(weight.size(0), device=weight.device)
+        self.weight_t = weight.t().contiguous()
+        dictionary = self.model.decoder.dictionary
+        bias = projection.bias.detach().index_select(0, ids) if projection.bias is not None else torch.zeros_like(ids, dtype=weight.dtype)
+        self.bias = bias.masked_fill((ids == dictionary.pad()) | (ids == dictionary.bos()), -math.inf)
 
     def update(self, state, feedback):
-        logits = self.model.head_logits(feedback.newest_states())  # B x (k-1) x V
-        logits[..., self.model.decoder.dictionary.pad()] = -math.inf
-        self.pending = logits.argmax(-1)
+        x = feedback.newest_states()  # B x C
+        bsz, num_heads = x.size(0), self.w2.size(0)
+        hidden = torch.relu(torch.addmm(self.b1, x, self.w1)).view(bsz, num_heads, -1).transpose(0, 1)
+        out = torch.baddbmm(self.b2, hidden, self.w2).transpose(0, 1) + x.unsqueeze(1)  # B x (k-1) x C
+        best = torch.addmm(self.bias, out.reshape(bsz * num_heads, -1), self.weight_t).argmax(-1).view(bsz, num_heads)
+        self.pending = self.vocab[best] if self.vocab is not None else best
 
     def propose(self, state, k):
         if self.pending is None:

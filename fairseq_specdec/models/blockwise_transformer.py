@@ -10,6 +10,7 @@ over all heads counting the base) and then through the shared output
 projection.
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,13 @@ class BlockwiseTransformerConfig(TransformerConfig):
     blockwise_k: int = field(
         default=4,
         metadata={"help": "tokens predicted per position: the base prediction plus k-1 heads"},
+    )
+    blockwise_shortlist: int = field(
+        default=2000,
+        metadata={
+            "help": "decoding: the heads draft over the N most frequent types (dictionary order) plus "
+            "the batch's source tokens (joined dictionaries) instead of the whole vocabulary (0: all types)"
+        },
     )
 
 
@@ -67,7 +75,10 @@ class BlockwiseTransformerModel(TransformerModel):
         if args.blockwise_k < 2:
             raise ValueError(f"--blockwise-k must be >= 2, got {args.blockwise_k}")
         model = super().build_model(args, task)
+        if args.blockwise_shortlist < 0:
+            raise ValueError(f"--blockwise-shortlist must be >= 0 (0: all types), got {args.blockwise_shortlist}")
         model.heads = BlockwiseHeads(args.decoder_output_dim or args.decoder_embed_dim, args.blockwise_k - 1)
+        model.blockwise_shortlist = args.blockwise_shortlist
         model._inference_projection = TransposedProjection()
         return model
 
@@ -80,8 +91,20 @@ class BlockwiseTransformerModel(TransformerModel):
 
         With ``frozen_projection`` no gradient reaches the shared output
         projection (it is also the base model's, and its embedding when shared)."""
-        hidden = self.heads(features)
+        return self.project_heads(self.heads(features), frozen_projection)
+
+    def project_heads(self, hidden: Tensor, frozen_projection: bool = False, vocab: Optional[Tensor] = None) -> Tensor:
+        """Head states (..., C) -> logits through the shared output projection:
+        over every type, or over the types ``vocab`` (ids, in that order)."""
         projection = self.decoder.output_projection
+        if vocab is not None:
+            if not isinstance(projection, torch.nn.Linear):
+                raise ValueError("a head shortlist needs a plain linear output projection")
+            weight, bias = projection.weight.index_select(0, vocab), projection.bias
+            bias = bias.index_select(0, vocab) if bias is not None else None
+            if frozen_projection:
+                weight, bias = weight.detach(), None if bias is None else bias.detach()
+            return F.linear(hidden, weight, bias)
         if not self.training and not torch.is_grad_enabled() and isinstance(projection, torch.nn.Linear):
             return self._inference_projection(hidden, projection.weight, projection.bias)
         if frozen_projection and isinstance(projection, torch.nn.Linear):
@@ -93,4 +116,6 @@ class BlockwiseTransformerModel(TransformerModel):
 def blockwise_base(args):
     if getattr(args, "blockwise_k", None) is None:
         args.blockwise_k = 4
+    if getattr(args, "blockwise_shortlist", None) is None:  # checkpoints saved before the option
+        args.blockwise_shortlist = 2000
     base_architecture(args)
