@@ -27,7 +27,7 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from ..models.projection import transposed_linear, weight_fingerprint
+from ..models.projection import transposed_linear, weights_fingerprint
 from .verifier import CachedVerifier
 
 
@@ -144,7 +144,7 @@ class LeanVerifier(CachedVerifier):
         """Fingerprints of the layers' weight matrices (an optimizer's update
         through ``p.data`` changes no version counter: see
         :mod:`fairseq_specdec.models.projection`)."""
-        return tuple(weight_fingerprint(p) for p in self.decoder.layers.parameters() if p.dim() == 2)
+        return weights_fingerprint(p for p in self.decoder.layers.parameters() if p.dim() == 2)
 
     def start(self) -> None:
         """A new batch: empty caches; the layers' weights gathered again if

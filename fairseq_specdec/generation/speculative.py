@@ -27,7 +27,6 @@ import math
 import time
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -104,7 +103,19 @@ class DraftLengthPolicy:
 
 
 class SpeculativeGenerator:
-    """Drop-in for fairseq's ``SequenceGenerator`` (``--beam 1`` contract)."""
+    """Drop-in for fairseq's ``SequenceGenerator`` (``--beam 1`` contract).
+
+    Device -> host reads per iteration: one stacked ``.tolist()`` of the
+    per-row counts the loop retires rows and places cache entries by (the
+    algorithm needs it).  ``host_checks`` adds two reads that only skip work:
+    cutting the verified width after a drafted EOS or pad, and not projecting
+    the slots past a ragged row's draft.  They pay where a verified row costs
+    real time (a CPU) and not where a read stalls the device queue (CUDA), so
+    ``None`` (the default) turns them on everywhere but CUDA.  Either way the
+    output is the same: a slot past a stop is never accepted."""
+
+    #: None: skip-work reads on every device but CUDA; True / False: always / never
+    host_checks: Optional[bool] = None
 
     def __init__(
         self,
@@ -166,8 +177,9 @@ class SpeculativeGenerator:
             lprobs[:, :, : self.eos].masked_fill_(at_limit, -math.inf)
             lprobs[:, :, self.eos + 1 :].masked_fill_(at_limit, -math.inf)
 
-    def _draft(self, state: DecodingState, max_len: int):
-        """Step 1: B x k' drafts (k' may be 0) and their drafter log-probs (or None)."""
+    def _draft(self, state: DecodingState, max_len: int, host_checks: bool = True):
+        """Step 1: B x k' drafts (k' may be 0) and their drafter log-probs (or None);
+        with ``host_checks``, k' ends at the last slot any row can still keep."""
         k = max(0, min(self.block_size, max_len - min(state.lengths_host)))
         limit = self.drafter.max_positions
         if limit is not None:
@@ -183,7 +195,7 @@ class SpeculativeGenerator:
         # them (a drafted EOS itself is verified: it may be accepted)
         k = draft_tokens.size(1)
         stop = draft_tokens.eq(self.eos) | draft_tokens.eq(self.pad)
-        if k > 0 and bool(stop.any()):
+        if host_checks and k > 0 and bool(stop.any()):
             first = stop.int().argmax(1)
             eos_first = draft_tokens.gather(1, first.unsqueeze(1)).squeeze(1).eq(self.eos)
             width = torch.where(stop.any(1), first + eos_first.long(), k)
@@ -224,13 +236,14 @@ class SpeculativeGenerator:
         state.on_keep(lambda order, order_host: verifier.reorder(state, order, order_host))
         state.on_keep(lambda order, order_host: self.drafter.reorder(order))
         self.drafter.start_batch(state)
+        host_checks = self.host_checks if self.host_checks is not None else state.device.type != "cuda"
         accepted: List[List[int]] = [[] for _ in range(bsz)]
         finalized: List[Optional[List[Dict]]] = [None] * bsz
 
         while state.size > 0:
             n = state.size
             # 1. draft
-            draft_tokens, draft_lprobs = self._draft(state, max_len)
+            draft_tokens, draft_lprobs = self._draft(state, max_len, host_checks)
             k = draft_tokens.size(1)
             m = k + 1
             # 2. verify, with fairseq's rules; in a ragged batch the slots after
@@ -238,25 +251,21 @@ class SpeculativeGenerator:
             offsets = torch.arange(m, device=state.device)
             drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1) if k > 0 else None
             needed = None
-            if n > 1 and k > 0:
+            if host_checks and n > 1 and k > 0:
                 needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
                 if bool(needed.all()):
                     needed = None
             lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
             self._mask_lprobs(lprobs, state, max_len)
             # running score before each slot along the draft path, accumulated in
-            # float32 one token at a time exactly as SequenceGenerator does
+            # float32 one token at a time exactly as SequenceGenerator does (a
+            # scan kernel would add in another order), on the device
             draft_vlp = lprobs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
-            running = np.empty((n, m), dtype=np.float32)
-            running[:, 0] = state.cum.cpu().numpy()
-            if k > 0:
-                np.cumsum(
-                    np.concatenate([running[:, :1], draft_vlp.cpu().numpy()], axis=1),
-                    axis=1,
-                    dtype=np.float32,
-                    out=running,
-                )
-            running_t = torch.from_numpy(running).to(state.device)
+            running_t = torch.empty((m, n), dtype=torch.float32, device=state.device)  # slot x row
+            running_t[0] = state.cum
+            for j in range(k):
+                torch.add(running_t[j], draft_vlp[:, j], out=running_t[j + 1])
+            running_t = running_t.t()
             candidates = lprobs + running_t.unsqueeze(-1)
             greedy = candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
 

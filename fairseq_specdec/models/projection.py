@@ -39,11 +39,24 @@ def inference_scope():
         _SCOPE[0] -= 1
 
 
+def _sampled_values(weight: Tensor) -> Tensor:
+    flat = weight.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 16)][:16]
+
+
 def weight_fingerprint(weight: Tensor) -> tuple:
     """Storage, version, dtype, device and 16 sampled values of ``weight``."""
-    flat = weight.detach().reshape(-1)
-    step = max(1, flat.numel() // 16)
-    return (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(flat[::step][:16].tolist()))
+    return (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(_sampled_values(weight).tolist()))
+
+
+def weights_fingerprint(weights) -> tuple:
+    """:func:`weight_fingerprint` of several tensors (on one device) with one
+    device -> host read of all their sampled values."""
+    weights = list(weights)
+    if not weights:
+        return ()
+    values = torch.cat([_sampled_values(w).to(weights[0].dtype) for w in weights]).tolist()
+    return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights), tuple(values)
 
 
 class TransposedWeight:

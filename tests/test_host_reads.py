@@ -1,0 +1,164 @@
+"""Device -> host reads of the speculative loop (issue 15: on a GPU each one
+stalls the queue).
+
+Counted on the CPU by wrapping every Python-level way a tensor's value
+reaches the host (``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``,
+``.numpy()``, ``.cpu()``): between two verify passes of the loop with no row
+retired, the loop reads once (the stacked per-row counts) when its
+skip-work checks are off (``host_checks = False``, the default on CUDA), and
+the output is the same either way.  A batch's start reads the verifier's
+weight fingerprints once, not once per weight.
+"""
+import contextlib
+
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
+import fairseq_specdec  # noqa: F401
+from fairseq_specdec.generation import Drafter, SpeculativeGenerator, StrictAcceptance
+
+pytestmark = pytest.mark.slow  # needs the trained toy verifier
+
+READS = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu")
+
+
+@contextlib.contextmanager
+def counting_reads(log):
+    """Appends one entry to ``log`` per host read of a tensor's value."""
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, original):
+        def counted(self, *args, **kwargs):
+            log.append(name)
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    try:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, wrap(name, original))
+        yield log
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+class ReferenceDrafter(Drafter):
+    """Drafts the reference continuation, wrong (or padded: no draft) from a
+    slot that depends on the row: ragged acceptance, drafted EOS followed by
+    more drafts, and rows without drafts.  It reads nothing from the device
+    while drafting (its host bookkeeping is filled before each batch)."""
+
+    def __init__(self, refs, wrong, pad):
+        self.refs, self.wrong, self.pad = refs, wrong, pad
+        self.ids = None
+
+    def begin(self, ids):
+        self.ids = ids
+
+    def start_batch(self, state):
+        pass
+
+    def propose(self, state, k):
+        out = []
+        for i, row in enumerate(state.rows):
+            sid = self.ids[row]
+            n = state.lengths_host[i]
+            cont = (self.refs[sid][n : n + k] + [self.wrong] * k)[:k]
+            cut = sid % (k + 1)
+            filler = self.pad if sid % 3 == 0 else self.wrong
+            out.append(cont[:cut] + [filler] * (k - cut))
+        return torch.tensor(out, dtype=torch.long).view(len(out), k), None
+
+    def reorder(self, new_order):
+        pass
+
+
+def generator(model, drafter, d, host_checks, opts="default", k=4):
+    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), d, block_size=k, **OPTION_SETS[opts])
+    gen.host_checks = host_checks
+    return gen
+
+
+@pytest.fixture(scope="module")
+def reference(verifier):
+    model, task = verifier
+    d = task.target_dictionary
+    return {
+        (opts, bsz): run_generator(seq_gen(model, d, OPTION_SETS[opts]), model, H.batches(task, "test", bsz))
+        for opts in ("default", "max_len_3", "min_len_15")
+        for bsz in (1, 16)
+    }
+
+
+@pytest.mark.parametrize("opts", ["default", "max_len_3", "min_len_15"])
+@pytest.mark.parametrize("bsz", [1, 16])
+@pytest.mark.parametrize("host_checks", [True, False])
+def test_output_is_greedy_with_and_without_host_checks(verifier, reference, opts, bsz, host_checks):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = reference[(opts, bsz)]
+    drafter = ReferenceDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, d.index("b0"), d.pad())
+    got = run_generator(generator(model, drafter, d, host_checks, opts), model, H.batches(task, "test", bsz), drafter)
+    assert_identical(ref, got)
+
+
+def reads_per_window(model, task, drafter, host_checks, bsz):
+    """Host reads between consecutive verify passes in which no row retired,
+    from the second pass of a batch on (the first pass also reads what a
+    batch needs once: the encoder's padding mask, the cached projections'
+    fingerprints)."""
+    d = task.target_dictionary
+    gen = generator(model, drafter, d, host_checks)
+    log, windows = [], []
+    forward = gen.verifier.forward
+
+    def marked(tokens, state, needed=None):
+        windows.append((len(log), state.size))
+        return forward(tokens, state, needed)
+
+    gen.verifier.forward = marked
+    for sample in H.batches(task, "test", bsz):
+        drafter.begin(sample["id"].tolist())
+        windows.clear()
+        with counting_reads(log):
+            gen.generate([model], sample)
+        for (start, size), (end, next_size) in zip(windows[1:], windows[2:]):
+            if size == next_size:
+                yield end - start
+
+
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_one_host_read_per_iteration_without_host_checks(verifier, reference, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = reference[("default", bsz)]
+    drafter = ReferenceDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, d.index("b0"), d.pad())
+    counts = list(reads_per_window(model, task, drafter, False, bsz))
+    assert len(counts) >= 5
+    assert set(counts) == {1}, counts
+    # the skip-work checks are the only other reads
+    with_checks = list(reads_per_window(model, task, drafter, True, bsz))
+    assert max(with_checks) > 1 and max(with_checks) <= 4, with_checks
+
+
+def test_a_batch_start_reads_the_weight_fingerprints_once(verifier):
+    from fairseq_specdec.generation.lean_verifier import LeanVerifier
+
+    model, _ = verifier
+    lean = LeanVerifier(model)
+    lean.start()
+    log = []
+    with counting_reads(log):
+        lean.start()
+    assert log == ["tolist"]
+    # and a changed weight is still seen (through p.data, as optimizers write)
+    layers = lean.layers
+    with torch.no_grad():
+        w = model.decoder.layers[0].fc1.weight
+        w.data[0, 0] += 1.0
+        lean.start()
+        assert lean.layers is not layers
+        w.data[0, 0] -= 1.0
