@@ -238,6 +238,7 @@ class SpeculativeGenerator:
         self.drafter.start_batch(state)
         host_checks = self.host_checks if self.host_checks is not None else state.device.type != "cuda"
         accepted: List[List[int]] = [[] for _ in range(bsz)]
+        ids_host = sample["id"].tolist() if "id" in sample else list(range(bsz))
         finalized: List[Optional[List[Dict]]] = [None] * bsz
 
         while state.size > 0:
@@ -303,7 +304,7 @@ class SpeculativeGenerator:
                 accepted[row].append(n_new_host[i])  # a final EOS included
                 if done_host[i]:
                     finalized[row] = self._finalize(state, i)
-                    sample_id = int(sample["id"][row]) if "id" in sample else row
+                    sample_id = ids_host[row]
                     self.stats.add(sample_id, state.lengths_host[i] - 1, accepted[row], now - start_time)
                 else:
                     keep.append(i)
