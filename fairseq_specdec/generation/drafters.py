@@ -28,6 +28,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..models.projection import TransposedWeight
+
 
 class Drafter:
     """Interface; see the module docstring."""
@@ -230,6 +232,7 @@ class BlockwiseHeadsDrafter(Drafter):
         self.pending = None  # B x (k-1) drafts for the next iteration
         self.w1 = self.b1 = self.w2 = self.b2 = None
         self.vocab = self.weight_t = self.bias = None
+        self._full_t = TransposedWeight()  # the whole projection, transposed once while it is unchanged
 
     def start_batch(self, state):
         self.pending = None
@@ -244,12 +247,15 @@ class BlockwiseHeadsDrafter(Drafter):
             ids = torch.arange(self.shortlist, device=weight.device)
             if self.joined:
                 ids = torch.unique(torch.cat([ids, state.net_input["src_tokens"].flatten()]))
-            self.vocab, weight = ids, weight.index_select(0, ids)
+            self.vocab, self.weight_t = ids, weight.index_select(0, ids).t().contiguous()
         else:
             self.vocab, ids = None, torch.arange(weight.size(0), device=weight.device)
-        self.weight_t = weight.t().contiguous()
+            self.weight_t = self._full_t.get(projection.weight)
         dictionary = self.model.decoder.dictionary
-        bias = projection.bias.detach().index_select(0, ids) if projection.bias is not None else torch.zeros_like(ids, dtype=weight.dtype)
+        if projection.bias is not None:
+            bias = projection.bias.detach().index_select(0, ids)
+        else:
+            bias = torch.zeros_like(ids, dtype=weight.dtype)
         self.bias = bias.masked_fill((ids == dictionary.pad()) | (ids == dictionary.bos()), -math.inf)
 
     def update(self, state, feedback):
