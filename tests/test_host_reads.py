@@ -4,9 +4,10 @@ stalls the queue).
 Counted on the CPU by wrapping every Python-level way a tensor's value
 reaches the host (``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``,
 ``.numpy()``, ``.cpu()``): between two verify passes of the loop with no row
-retired, the loop reads once (the stacked per-row counts) when its
-skip-work checks are off (``host_checks = False``, the default on CUDA), and
-the output is the same either way.  A batch's start reads the verifier's
+retired, the loop reads once (the stacked per-row counts) when its host
+checks are off (``host_checks = False``, the default on CUDA: no skip-work
+reads, running scores summed on the device), and the output is the same
+either way.  A batch's start reads the verifier's
 weight fingerprints once, not once per weight.
 """
 import contextlib
@@ -139,9 +140,11 @@ def test_one_host_read_per_iteration_without_host_checks(verifier, reference, bs
     counts = list(reads_per_window(model, task, drafter, False, bsz))
     assert len(counts) >= 5
     assert set(counts) == {1}, counts
-    # the skip-work checks are the only other reads
+    # with the host checks (a CPU's default) the loop also reads the stop and
+    # ragged-row checks and sums the running scores through numpy: at most
+    # 3 + 4 (.cpu() and .numpy() of the scores and the drafts' log-probs) + 1
     with_checks = list(reads_per_window(model, task, drafter, True, bsz))
-    assert max(with_checks) > 1 and max(with_checks) <= 4, with_checks
+    assert 1 < max(with_checks) <= 8, with_checks
 
 
 def test_a_batch_start_reads_the_weight_fingerprints_once(verifier):
