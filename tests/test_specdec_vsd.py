@@ -132,3 +132,12 @@ def test_profile_breaks_down_the_vsd_iteration(toy_bin, ar_checkpoint, vsd_train
     assert sum(r["ms_per_sentence"] for r in parts) == pytest.approx(by_name["total"]["ms_per_sentence"])
     # one feedback per verification
     assert by_name["drafter feedback"]["calls"] == by_name["verifier pass"]["calls"]
+
+
+@pytest.mark.parametrize("option", ["--shortlist", "--cuts-per-sentence"])
+def test_negative_shortlist_or_cuts_are_refused_by_name(toy_bin, option):
+    from fairseq import tasks
+
+    _, cfg = H.train_args_namespace(toy_bin, *VSD_ARGS, "--block-size", "4", "--cpu", option, "-1")
+    with pytest.raises(ValueError, match=f"{option} must be >= 0"):
+        tasks.setup_task(cfg.task).build_model(cfg.model)

@@ -130,6 +130,10 @@ class SpecDecVSDModel(BaseFairseqModel):
         dim = cfg.embed_dim
         if dim % cfg.attention_heads:
             raise ValueError(f"--embed-dim {dim} is not a multiple of --attention-heads {cfg.attention_heads}")
+        if cfg.shortlist < 0:
+            raise ValueError(f"--shortlist must be >= 0 (0: the whole vocabulary), got {cfg.shortlist}")
+        if cfg.cuts_per_sentence < 0:
+            raise ValueError(f"--cuts-per-sentence must be >= 0 (0: every cut), got {cfg.cuts_per_sentence}")
         self.dictionary = dictionary
         self.padding_idx = dictionary.pad()
         self.mask_idx = mask_index(dictionary)
