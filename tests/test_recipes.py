@@ -242,7 +242,13 @@ def test_multi30k_recipe_checks_every_stage_of_a_group_first(tmp_path):
 FAKE_TOOL = r'''#!/usr/bin/env bash
 # records its command line, creates the directories and files the recipe expects
 name=$(basename "$0")
-{ printf '%q ' "$name" "$@"; echo; } >> "$RECORD"
+# one line per command, under a lock: stages run side by side, and a long
+# line written in several chunks would interleave with another tool's
+line=$(printf '%q ' "$name" "$@")
+exec 9>>"$RECORD"
+if command -v flock > /dev/null; then flock 9; fi
+printf '%s\n' "$line" >&9
+exec 9>&-
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[i]}" in
