@@ -124,12 +124,14 @@ def test_learning_curve_end_to_end(toy_bin, ar_checkpoint, tmp_path):
         for p in mine:
             assert p["identical_to_beam1"], p
             assert p["tok"] >= 1.0 and p["ms_per_sent"] > 0
-    # minutes of update 20: from the run's task: line to the log's line at 20 updates
-    def stamp(pattern):
-        text = re.search(r"^(\S+ \S+) \| .*" + pattern, log, re.M).group(1)
-        return datetime.strptime(text, "%Y-%m-%d %H:%M:%S")
+    # minutes of update 20: from the run's task: line to the last log line that
+    # reports 20 updates (train_inner, validation or checkpoint lines alike;
+    # they may fall in different seconds)
+    def stamp(pattern, last=False):
+        found = re.findall(r"^(\S+ \S+) \| .*" + pattern, log, re.M)
+        return datetime.strptime(found[-1] if last else found[0], "%Y-%m-%d %H:%M:%S")
 
-    seconds = (stamp(r"num_updates=20, ") - stamp(r"fairseq_cli\.train \| task: ")).total_seconds()
+    seconds = (stamp(r"num_updates[ =]20\b", last=True) - stamp(r"fairseq_cli\.train \| task: ")).total_seconds()
     assert next(p for p in points if p["num_updates"] == 20)["minutes"] == pytest.approx(seconds / 60.0)
     assert (out / "learning-curve.png").stat().st_size > 1000
     table = (out / "learning-curve.md").read_text()
