@@ -54,7 +54,7 @@
 : "${BENCH_RELAXED:=3:1,5:3}"          # beta:tau settings of the relaxed grid (every drafter)
 : "${BLOCKWISE_UPDATES:=1000}"      # blockwise heads (paper 004), beside the drafter: with --head-shortlist 2000, ~1 update/s on 1 thread
                                      # (session 6: 1000 updates in 18.5 min beside tests; the full softmax ran 0.13 updates/s, so the
-                                     # recipe had stopped at 100 updates, head accuracy 19/14/14 %; 1000: validation 56.6/37.7/30.2 %)
+                                     # recipe had stopped at 100 updates, validation head accuracy 33.0/18.8/16.3 %; 1000: 56.6/37.7/30.2 %)
 : "${BLOCKWISE_MAX_MINUTES:=$DRAFTER_MAX_MINUTES}"
 
 VERIFIER_ARGS=(
