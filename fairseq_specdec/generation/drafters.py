@@ -207,6 +207,56 @@ class SourceCopyDrafter(Drafter):
         self.index = [self.index[i] for i in order]
 
 
+def joined_dictionaries(model) -> bool:
+    """Whether ``model``'s encoder and decoder share one embedding (and so one
+    dictionary: source tokens are target types)."""
+    return model.encoder.embed_tokens.weight.data_ptr() == model.decoder.embed_tokens.weight.data_ptr()
+
+
+class ShortlistProjection:
+    """A drafter's output projection for one batch: onto the ``size`` most
+    frequent types (dictionary order) plus the batch's source tokens when the
+    dictionaries are ``joined``, or onto every type (``size`` 0, or not below
+    ``num_types``).  A type left out only costs a rejected draft, never a
+    wrong output.
+
+    After :meth:`start_batch`: ``weight_t`` (C x N, contiguous), ``bias`` (N:
+    the projection's bias or zeros, -inf at the ``never`` types) and
+    ``vocab`` (the N type ids; None for every type, whose transpose is kept
+    while the weight is unchanged)."""
+
+    def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...]):
+        self.size = size if 0 < size < num_types else 0
+        self.joined = joined
+        self.never = never
+        self.vocab: Optional[Tensor] = None
+        self.weight_t: Optional[Tensor] = None
+        self.bias: Optional[Tensor] = None
+        self._full_t = TransposedWeight()
+
+    def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
+        if self.size:
+            ids = torch.arange(self.size, device=weight.device)
+            if self.joined:
+                ids = torch.unique(torch.cat([ids, src_tokens.flatten()]))
+            self.vocab, self.weight_t = ids, weight.detach().index_select(0, ids).t().contiguous()
+        else:
+            ids = torch.arange(weight.size(0), device=weight.device)
+            self.vocab, self.weight_t = None, self._full_t.get(weight)
+        if bias is not None:
+            bias = bias.detach().index_select(0, ids)
+        else:
+            bias = torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device)
+        never = torch.zeros_like(ids, dtype=torch.bool)
+        for t in self.never:
+            never |= ids == t
+        self.bias = bias.masked_fill(never, -math.inf)
+
+    def types(self, index: Tensor) -> Tensor:
+        """Type ids of positions ``index`` along the projected axis."""
+        return self.vocab[index] if self.vocab is not None else index
+
+
 class BlockwiseHeadsDrafter(Drafter):
     """Blockwise parallel decoding (paper 004): the k-1 heads of a
     ``blockwise_transformer`` read the verifier's state at the last accepted
@@ -216,23 +266,27 @@ class BlockwiseHeadsDrafter(Drafter):
 
     Per batch it lays the heads' weights out for one product each (the first
     layers of all heads side by side, the second layers as a batched product)
-    and picks the shortlist (the model's ``blockwise_shortlist`` most frequent
-    types plus the batch's source tokens when the dictionaries are joined), so
-    an update costs three small products and one projection of k-1 rows onto
-    the shortlist.  Padding and BOS are never drafted."""
+    and picks the shortlist (:class:`ShortlistProjection` of the model's
+    ``blockwise_shortlist``), so an update costs three small products and one
+    projection of k-1 rows onto the shortlist.  Padding and BOS are never
+    drafted."""
 
     def __init__(self, model, shortlist: Optional[int] = None):
         if not getattr(model, "has_blockwise_heads", False):
             raise ValueError(f"--decoding blockwise needs a blockwise_transformer, got {type(model).__name__}")
         self.model = model
-        num_types = len(model.decoder.dictionary)
-        shortlist = getattr(model, "blockwise_shortlist", 0) if shortlist is None else shortlist
-        self.shortlist = shortlist if 0 < shortlist < num_types else 0
-        self.joined = model.encoder.embed_tokens.weight.data_ptr() == model.decoder.embed_tokens.weight.data_ptr()
+        dictionary = model.decoder.dictionary
+        size = getattr(model, "blockwise_shortlist", 0) if shortlist is None else shortlist
+        self.projection = ShortlistProjection(
+            size, len(dictionary), joined_dictionaries(model), (dictionary.pad(), dictionary.bos())
+        )
         self.pending = None  # B x (k-1) drafts for the next iteration
         self.w1 = self.b1 = self.w2 = self.b2 = None
-        self.vocab = self.weight_t = self.bias = None
-        self._full_t = TransposedWeight()  # the whole projection, transposed once while it is unchanged
+
+    @property
+    def shortlist(self) -> int:
+        """The shortlist's size (0: every type)."""
+        return self.projection.size
 
     def start_batch(self, state):
         self.pending = None
@@ -241,30 +295,17 @@ class BlockwiseHeadsDrafter(Drafter):
         self.w1 = heads.fc1.detach().permute(1, 0, 2).reshape(dim, num_heads * hidden)
         self.b1 = heads.b1.detach().reshape(-1)
         self.w2, self.b2 = heads.fc2.detach(), heads.b2.detach().unsqueeze(1)
-        projection = self.model.decoder.output_projection
-        weight = projection.weight.detach()
-        if self.shortlist:
-            ids = torch.arange(self.shortlist, device=weight.device)
-            if self.joined:
-                ids = torch.unique(torch.cat([ids, state.net_input["src_tokens"].flatten()]))
-            self.vocab, self.weight_t = ids, weight.index_select(0, ids).t().contiguous()
-        else:
-            self.vocab, ids = None, torch.arange(weight.size(0), device=weight.device)
-            self.weight_t = self._full_t.get(projection.weight)
-        dictionary = self.model.decoder.dictionary
-        if projection.bias is not None:
-            bias = projection.bias.detach().index_select(0, ids)
-        else:
-            bias = torch.zeros_like(ids, dtype=weight.dtype)
-        self.bias = bias.masked_fill((ids == dictionary.pad()) | (ids == dictionary.bos()), -math.inf)
+        output = self.model.decoder.output_projection
+        self.projection.start_batch(output.weight, output.bias, state.net_input["src_tokens"])
 
     def update(self, state, feedback):
         x = feedback.newest_states()  # B x C
         bsz, num_heads = x.size(0), self.w2.size(0)
         hidden = torch.relu(torch.addmm(self.b1, x, self.w1)).view(bsz, num_heads, -1).transpose(0, 1)
         out = torch.baddbmm(self.b2, hidden, self.w2).transpose(0, 1) + x.unsqueeze(1)  # B x (k-1) x C
-        best = torch.addmm(self.bias, out.reshape(bsz * num_heads, -1), self.weight_t).argmax(-1).view(bsz, num_heads)
-        self.pending = self.vocab[best] if self.vocab is not None else best
+        p = self.projection
+        best = torch.addmm(p.bias, out.reshape(bsz * num_heads, -1), p.weight_t).argmax(-1).view(bsz, num_heads)
+        self.pending = p.types(best)
 
     def propose(self, state, k):
         if self.pending is None:
@@ -283,44 +324,25 @@ class VerifierStateDrafter(Drafter):
     of ``1 + k`` rows; see :mod:`fairseq_specdec.models.specdec_vsd`.
 
     Per batch it projects the cross-attention memory once and picks the
-    shortlist: the ``shortlist`` most frequent types (dictionary order) plus
-    the batch's source tokens when source and target share the dictionary.
-    It returns drafts with their (shortlist) log-probs, so the confidence cut
-    of ``--draft-min-confidence`` applies."""
+    shortlist (:class:`ShortlistProjection`: the ``shortlist`` most frequent
+    types plus the batch's source tokens when source and target share the
+    dictionary).  It returns drafts with their (shortlist) log-probs, so the
+    confidence cut of ``--draft-min-confidence`` applies."""
 
     def __init__(self, model, verifier_model, shortlist: int = 0):
         model.check_verifier(verifier_model, "--drafter-path")
         self.model = model
-        self.shortlist = shortlist if 0 < shortlist < model.num_types else 0
-        self.joined = (
-            verifier_model.encoder.embed_tokens.weight.data_ptr() == verifier_model.decoder.embed_tokens.weight.data_ptr()
+        self.projection = ShortlistProjection(
+            shortlist, model.num_types, joined_dictionaries(verifier_model), (model.padding_idx, model.dictionary.bos())
         )
-        self.blocked = (model.padding_idx, model.dictionary.bos())
-        self.full_weight_t = None
         self.memory = None
         self.ctx_states = None
-        self.vocab = None  # shortlist ids (None: every type)
-        self.weight_t = None
-        self.bias = None
 
     def start_batch(self, state) -> None:
         model = self.model
         self.memory = model.source_memory(state.encoder_out)
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
-        weight = model.output_weight
-        if self.shortlist:
-            ids = torch.arange(self.shortlist, device=weight.device)
-            if self.joined:
-                ids = torch.unique(torch.cat([ids, state.net_input["src_tokens"].flatten()]))
-            self.vocab = ids
-            self.weight_t = weight.index_select(0, ids).t().contiguous()
-        else:
-            if self.full_weight_t is None:
-                self.full_weight_t = weight.t().contiguous()
-            self.vocab, self.weight_t = None, self.full_weight_t
-            ids = torch.arange(weight.size(0), device=weight.device)
-        blocked = (ids == self.blocked[0]) | (ids == self.blocked[1])
-        self.bias = torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device).masked_fill_(blocked, -math.inf)
+        self.projection.start_batch(model.output_weight, None, state.net_input["src_tokens"])
 
     def update(self, state, feedback) -> None:
         self.ctx_states = feedback.newest_states()
@@ -329,10 +351,9 @@ class VerifierStateDrafter(Drafter):
         states = self.model.block_states(
             self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k
         )
-        logits = torch.matmul(states, self.weight_t) + self.bias
+        logits = torch.matmul(states, self.projection.weight_t) + self.projection.bias
         lprobs, best = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
-        tokens = self.vocab[best] if self.vocab is not None else best
-        return tokens, lprobs
+        return self.projection.types(best), lprobs
 
     def reorder(self, new_order) -> None:
         self.memory = self.model.select_memory(self.memory, new_order)
