@@ -4,8 +4,50 @@ Install without build isolation so that pip never pulls a second torch:
 
     pip install torch==2.13.0 cython numpy
     pip install --no-build-isolation -e .
+
+The install compiles one small C++ extension, ``fairseq_specdec._rowgemm``
+(the verify pass's row-blocked products, docs/verify-kernels.md), with the
+C++ compiler torch uses (gcc here).  It is optional: when it cannot be built
+the install still succeeds, says so, and the plugin uses torch's products;
+``FAIRSEQ_SPECDEC_NO_EXT=1`` skips it.
 """
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:  # torch is installed first (see above); without it, no extension
+        print("WARNING: fairseq_specdec: torch is not importable at build time, so the C++ extension "
+              "fairseq_specdec._rowgemm is not built; install torch first and use --no-build-isolation",
+              file=sys.stderr)
+        BuildExtension = None
+    if BuildExtension is not None:
+
+        class OptionalBuildExtension(BuildExtension):
+            """Builds the extension, or warns and goes on without it."""
+
+            def build_extension(self, ext):
+                try:
+                    super().build_extension(ext)
+                except Exception as error:  # noqa: BLE001 - any compiler failure
+                    print(
+                        f"WARNING: fairseq_specdec: the C++ extension {ext.name} was not built ({error}); "
+                        "the verify pass will use torch's matrix products (--verify-gemm torch)",
+                        file=sys.stderr,
+                    )
+
+        ext_modules = [
+            CppExtension(
+                "fairseq_specdec._rowgemm",
+                ["fairseq_specdec/csrc/rowgemm.cpp"],
+                extra_compile_args=["-O3"],
+            )
+        ]
+        cmdclass = {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}
 
 setup(
     name="fairseq-specdec",
@@ -15,6 +57,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["fairseq_specdec", "fairseq_specdec.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     install_requires=[
         "torch==2.13.0",
         "fairseq-fixed==0.12.3.1",

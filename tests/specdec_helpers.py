@@ -261,6 +261,16 @@ def check_stats(stats, hyps, k):
         assert all(1 <= a <= k + 1 for a in s["accepted"])
 
 
+def _gemms():
+    from fairseq_specdec.models import rowgemm
+
+    return ["torch"] + (["rowgemm"] if rowgemm.unavailable_reason() is None else [])
+
+
+#: the lean pass's product implementations this machine runs (test_rowgemm
+#: fails where the extension should have been built and was not)
+GEMMS = _gemms()
+
 OPTION_SETS = {
     "default": dict(max_len_a=0, max_len_b=200, min_len=1),
     # the length limit falls inside a block (k = 4 > 3): fairseq forces EOS at step 3

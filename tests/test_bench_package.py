@@ -322,3 +322,30 @@ def test_drafter_options_reach_only_their_drafters_rows():
     by_name = {r["name"]: r for r in rows}
     assert "--adaptive-draft" not in by_name["strict-fixed@bs1"]["extra"]
     assert by_name["strict-adaptive@bs1"]["extra"][-3:] == ["--adaptive-draft", "--draft-min-confidence", "0.3"]
+
+
+def test_roofline_command_reports_the_verify_pass_by_width():
+    """scripts/roofline.py --shape demo --json: the measured cost of a verify
+    pass of each width, for every product implementation this machine runs,
+    and the machine's peak and bandwidth it is judged against."""
+    proc = H.run([H.cli("python"), H.ROOT / "scripts" / "roofline.py", "--shape", "demo", "--json", "--max-m", "3"])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result["verify_ms"]) == {"1", "2", "3"}
+    assert all(v > 0 for v in result["verify_ms"].values())
+    assert set(result["by_gemm"]) == set(H.GEMMS)
+    for rows in result["by_gemm"].values():
+        assert rows["ratio_to_m1"]["1"] == 1.0
+        assert all(rows["ops"][m] > 10 for m in rows["ops"])  # every pass dispatches its operations
+        assert set(rows["break_even_tok"]) == {"1", "2"}
+    assert result["verify_ms"] == result["by_gemm"][result["default_gemm"]]["verify_ms"]
+    assert result["machine"]["peak_gflops"] > 0 and result["machine"]["read_gbs"] > 0
+    # the ideal products cost never falls as the width grows
+    ideal = [result["ideal_products_ms"][m] for m in ("1", "2", "3")]
+    assert ideal == sorted(ideal)
+
+
+def test_roofline_command_refuses_bad_options():
+    for argv, message in ((["--max-m", "0"], "--max-m must be >= 1"), (["--gemm", "mkl"], "--gemm: unknown mkl"),
+                          (["--path", "missing.pt"], "--path missing.pt: no such checkpoint")):
+        proc = H.run([H.cli("python"), H.ROOT / "scripts" / "roofline.py", *argv], check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr[-500:])

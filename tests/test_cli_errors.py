@@ -237,8 +237,9 @@ def test_readme_documents_what_verify_tau_accepts():
         (["--verify-beta", "3"], "--verify-beta"),
         (["--verify-tau", "1"], "--verify-tau"),
         (["--adaptive-draft"], "--adaptive-draft"),
+        (["--verify-gemm", "torch"], "--verify-gemm"),
     ],
-    ids=["drafter-path", "verify-beta", "verify-tau", "adaptive-draft"],
+    ids=["drafter-path", "verify-beta", "verify-tau", "adaptive-draft", "verify-gemm"],
 )
 def test_cli_speculative_option_under_autoregressive(toy_bin, transformer_checkpoint, argv, option):
     """fairseq's own decoding would ignore these: refused, naming the option."""

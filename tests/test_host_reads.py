@@ -157,11 +157,12 @@ def test_a_batch_start_reads_the_weight_fingerprints_once(verifier):
     with counting_reads(log):
         lean.start()
     assert log == ["tolist"]
-    # and a changed weight is still seen (through p.data, as optimizers write)
-    layers = lean.layers
-    with torch.no_grad():
-        w = model.decoder.layers[0].fc1.weight
-        w.data[0, 0] += 1.0
-        lean.start()
-        assert lean.layers is not layers
-        w.data[0, 0] -= 1.0
+    # and a changed weight is still seen (through p.data, as optimizers write),
+    # the vocabulary projection's too
+    for w in (model.decoder.layers[0].fc1.weight, model.decoder.output_projection.weight):
+        layers, output = lean.layers, lean.output
+        with torch.no_grad():
+            w.data.view(-1)[0] += 1.0
+            lean.start()
+            assert lean.layers is not layers and lean.output is not output
+            w.data.view(-1)[0] -= 1.0

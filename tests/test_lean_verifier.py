@@ -29,8 +29,8 @@ class PairedVerifier:
 
     impl = "paired"
 
-    def __init__(self, model):
-        self.lean = LeanVerifier(model)
+    def __init__(self, model, gemm="auto"):
+        self.lean = LeanVerifier(model, gemm=gemm)
         self.ref = CachedVerifier(model)
         self.passes = 0
         self.ragged_passes = 0
@@ -116,13 +116,15 @@ def strict_generator(model, drafter, tgt_dict, verifier, k=4, opts="default"):
 
 
 @pytest.mark.slow  # needs the trained toy verifier
+@pytest.mark.parametrize("gemm", H.GEMMS)
 @pytest.mark.parametrize("opts", ["default", "max_len_3", "lenpen_unkpen_temp"])
 @pytest.mark.parametrize("bsz", [1, 3, 16])
-def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, opts, bsz):
+def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, opts, bsz, gemm):
     model, task = verifier
     d = task.target_dictionary
     ref = run_generator(seq_gen(model, d, OPTION_SETS[opts]), model, H.batches(task, "test", bsz))
-    paired = PairedVerifier(model)
+    paired = PairedVerifier(model, gemm)
+    assert paired.lean.gemm == gemm
     paired.lean.temperature = paired.ref.temperature = OPTION_SETS[opts].get("temperature", 1.0)
     drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
     got = run_generator(strict_generator(model, drafter, d, paired, opts=opts), model, H.batches(task, "test", bsz))
@@ -133,15 +135,16 @@ def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, op
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gemm", H.GEMMS)
 @pytest.mark.parametrize("bsz", [1, 16])
-def test_scratch_cache_positions_never_reach_the_output(verifier, bsz):
+def test_scratch_cache_positions_never_reach_the_output(verifier, bsz, gemm):
     model, task = verifier
     d = task.target_dictionary
     ref = run_generator(seq_gen(model, d, OPTION_SETS["default"]), model, H.batches(task, "test", bsz))
     drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
-    clean = run_generator(strict_generator(model, drafter, d, LeanVerifier(model)), model, H.batches(task, "test", bsz))
+    clean = run_generator(strict_generator(model, drafter, d, LeanVerifier(model, gemm=gemm)), model, H.batches(task, "test", bsz))
     poisoned = run_generator(
-        strict_generator(model, drafter, d, ScratchPoisoningVerifier(model)), model, H.batches(task, "test", bsz)
+        strict_generator(model, drafter, d, ScratchPoisoningVerifier(model, gemm=gemm)), model, H.batches(task, "test", bsz)
     )
     assert_identical(clean, poisoned, atol=0)
     assert_identical(ref, poisoned)
@@ -165,12 +168,13 @@ def untrained_transformer(toy_bin, *extra):
     ("--decoder-normalize-before", "--encoder-normalize-before"),
     ("--activation-fn", "gelu"),
 ])
-def test_pre_norm_and_gelu_decoders(toy_bin, tiny_drafter, extra):
+@pytest.mark.parametrize("gemm", H.GEMMS)
+def test_pre_norm_and_gelu_decoders(toy_bin, tiny_drafter, extra, gemm):
     model, task = untrained_transformer(toy_bin, *extra)
     assert lean_unsupported_reason(model.decoder) is None
     d = task.target_dictionary
     for bsz in (1, 5):
-        paired = PairedVerifier(model)
+        paired = PairedVerifier(model, gemm)
         gen = SpeculativeGenerator(model, NATBlockDrafter(tiny_drafter[0]), StrictAcceptance(), d, block_size=3, max_len_a=0, max_len_b=12)
         gen.verifier = paired
         ref = run_generator(seq_gen(model, d, dict(max_len_a=0, max_len_b=12, min_len=1)), model, H.batches(task, "test", bsz))
@@ -190,6 +194,13 @@ def test_normformer_falls_back_under_auto_and_is_refused_under_lean(toy_bin):
         build_verifier(model, impl="lean")
     with pytest.raises(ValueError, match="--verify-impl must be one of"):
         build_verifier(model, impl="fast")
+    # the plugin's products need the lean pass: refused by name, never ignored
+    with pytest.raises(ValueError, match="--verify-gemm rowgemm needs the lean verify pass.*NormFormer"):
+        build_verifier(model, impl="auto", gemm="rowgemm")
+    with pytest.raises(ValueError, match="--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq"):
+        build_verifier(model, impl="fairseq", gemm="rowgemm")
+    with pytest.raises(ValueError, match="--verify-gemm must be one of"):
+        build_verifier(model, gemm="mkl")
 
 
 @pytest.mark.slow
@@ -199,10 +210,14 @@ def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpo
     from fairseq import checkpoint_utils
 
     kinds = {}
-    for impl in (None, "lean", "fairseq"):
+    for impl in (None, "lean", "fairseq", "gemm-torch", "gemm-rowgemm"):
         argv = ["--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "draft-verify",
                 "--drafter-path", random_drafter_checkpoint, "--beam", "1"]
-        if impl is not None:
+        if impl is not None and impl.startswith("gemm-"):
+            if impl[5:] not in H.GEMMS:
+                continue
+            argv += ["--verify-gemm", impl[5:]]
+        elif impl is not None:
             argv += ["--verify-impl", impl]
         cfg = H.generation_cfg(toy_bin, *argv)
         from fairseq import tasks
@@ -210,5 +225,8 @@ def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpo
         task = tasks.setup_task(cfg.task)
         models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
         gen = task.build_generator(models, cfg.generation)
-        kinds[impl] = gen.verifier.impl
-    assert kinds == {None: "lean", "lean": "lean", "fairseq": "fairseq"}
+        kinds[impl] = gen.verifier.describe()
+    default = "rowgemm" if "rowgemm" in H.GEMMS else "torch"
+    want = {None: f"lean ({default} products)", "lean": f"lean ({default} products)", "fairseq": "fairseq",
+            "gemm-torch": "lean (torch products)", "gemm-rowgemm": "lean (rowgemm products)"}
+    assert kinds == {k: v for k, v in want.items() if k in kinds}

@@ -132,7 +132,7 @@ def draft_verify_components(generator):
         decoder = getattr(model, "decoder", None)
         yield decoder, "output_layer", f"{SUB}drafter vocabulary projection (up to {k} rows)"
     yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
-    yield generator.verifier, "_projection", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
+    yield generator.verifier, "_logits", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
     yield generator.verifier, "rollback", "KV-cache rollback", False
     yield generator.verifier, "reorder", "row removal", False
 

@@ -221,9 +221,10 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             min_confidence=cfg.draft_min_confidence,
         ),
         verify_impl=str(getattr(cfg, "verify_impl", "auto")),
+        verify_gemm=str(getattr(cfg, "verify_gemm", "auto")),
     )
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
-        f"drafter {built.description}, verify pass {generator.verifier.impl}"
+        f"drafter {built.description}, verify pass {generator.verifier.describe()}"
     )
     return generator

@@ -27,8 +27,12 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
+from ..models import rowgemm
 from ..models.projection import transposed_linear, weights_fingerprint
 from .verifier import CachedVerifier
+
+#: ``--verify-gemm`` choices: how the lean pass computes its matrix products
+VERIFY_GEMMS = ("auto", "rowgemm", "torch")
 
 
 def lean_unsupported_reason(decoder) -> Optional[str]:
@@ -57,10 +61,52 @@ def lean_unsupported_reason(decoder) -> Optional[str]:
     return None
 
 
-def _transposed(linear) -> tuple:
-    """``(weight.t().contiguous(), bias)`` of an ``nn.Linear``, detached."""
-    bias = linear.bias.detach() if linear.bias is not None else None
-    return linear.weight.detach().t().contiguous(), bias
+def resolve_gemm(gemm: str, weight: Tensor) -> str:
+    """``--verify-gemm`` for a verifier whose weights are like ``weight``:
+    ``auto`` is ``rowgemm`` where the kernel runs (float32 weights on a CPU
+    with AVX2/FMA, the extension built), else ``torch``."""
+    if gemm not in VERIFY_GEMMS:
+        raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
+    if gemm == "torch":
+        return "torch"
+    if gemm == "rowgemm":
+        reason = rowgemm.unavailable_reason()
+        if reason is None and not rowgemm.applies_to(weight):
+            reason = f"the verifier's weights are {weight.dtype} on {weight.device} (it needs float32 on the CPU)"
+        if reason is not None:
+            raise ValueError(f"--verify-gemm rowgemm cannot run: {reason}; use --verify-gemm torch or auto")
+        return "rowgemm"
+    return "rowgemm" if rowgemm.applies_to(weight) else "torch"
+
+
+class _TorchLinear:
+    """``F.linear(x, weight, bias)`` (then ``activation``) as
+    ``addmm(bias, x, weight.t().contiguous())``: the transpose made once."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], activation=None):
+        self.weight_t = weight.detach().t().contiguous()
+        self.bias = bias.detach() if bias is not None else None
+        self.activation = activation
+
+    def __call__(self, x: Tensor) -> Tensor:
+        out = transposed_linear(x, self.weight_t, self.bias)
+        return self.activation(out) if self.activation is not None else out
+
+
+def make_linear(weight: Tensor, bias: Optional[Tensor], gemm: str, relu: bool = False):
+    """A callable ``x -> F.linear(x, weight, bias)`` (then ReLU if ``relu``)
+    for ``gemm`` (``rowgemm`` or ``torch``), its weight laid out once."""
+    if gemm == "rowgemm":
+        return rowgemm.PackedLinear(weight, bias, "relu" if relu else None)
+    return _TorchLinear(weight, bias, F.relu if relu else None)
+
+
+def _cat_linears(linears):
+    """One weight (and bias) for several ``nn.Linear`` with the same input."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    biases = [lin.bias for lin in linears]
+    bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
+    return weight, bias
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added=None, masked=None) -> Tensor:
@@ -81,9 +127,9 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added
 
 
 class _Layer:
-    """One decoder layer's weights, gathered (and transposed) once."""
+    """One decoder layer's weights, gathered and laid out once for ``gemm``."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, gemm: str):
         sa, ca = layer.self_attn, layer.encoder_attn
         self.heads = sa.num_heads
         self.head_dim = sa.head_dim
@@ -92,20 +138,21 @@ class _Layer:
         self.c_heads = ca.num_heads
         self.c_head_dim = ca.head_dim
         self.normalize_before = layer.normalize_before
-        projections = [_transposed(sa.q_proj), _transposed(sa.k_proj), _transposed(sa.v_proj)]
-        self.qkv = (
-            torch.cat([w for w, _ in projections], dim=1).contiguous(),
-            None if any(b is None for _, b in projections) else torch.cat([b for _, b in projections]),
-        )
-        self.sa_out = _transposed(sa.out_proj)
+        def linear(module, relu=False):
+            return make_linear(module.weight, module.bias, gemm, relu)
+
+        self.qkv = make_linear(*_cat_linears([sa.q_proj, sa.k_proj, sa.v_proj]), gemm)
+        self.sa_out = linear(sa.out_proj)
         self.sa_ln = layer.self_attn_layer_norm
-        self.ca_q = _transposed(ca.q_proj)
-        self.ca_k = _transposed(ca.k_proj)
-        self.ca_v = _transposed(ca.v_proj)
-        self.ca_out = _transposed(ca.out_proj)
+        self.ca_q = linear(ca.q_proj)
+        self.ca_kv = make_linear(*_cat_linears([ca.k_proj, ca.v_proj]), gemm)
+        self.ca_out = linear(ca.out_proj)
         self.ca_ln = layer.encoder_attn_layer_norm
-        self.fc1, self.fc2 = _transposed(layer.fc1), _transposed(layer.fc2)
-        self.activation = layer.activation_fn
+        # ReLU is fused into the first feed-forward product (the same values)
+        relu = layer.activation_fn is F.relu
+        self.fc1 = linear(layer.fc1, relu=relu)
+        self.activation = None if relu else layer.activation_fn
+        self.fc2 = linear(layer.fc2)
         self.final_ln = layer.final_layer_norm
 
 
@@ -128,11 +175,14 @@ class LeanVerifier(CachedVerifier):
 
     impl = "lean"
 
-    def __init__(self, model, temperature: float = 1.0):
+    def __init__(self, model, temperature: float = 1.0, gemm: str = "auto"):
         super().__init__(model, temperature)
         reason = lean_unsupported_reason(self.decoder)
         if reason is not None:
             raise ValueError(f"--verify-impl lean cannot run this verifier: {reason}")
+        #: ``rowgemm`` or ``torch``: how the matrix products are computed
+        self.gemm = resolve_gemm(gemm, next(self.decoder.parameters()))
+        self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
         self.layers = []
         self._weights_key = None
         self.keys: List[Tensor] = []
@@ -141,10 +191,14 @@ class LeanVerifier(CachedVerifier):
         self.enc_mask: Optional[Tensor] = None
 
     def _parameters_key(self) -> tuple:
-        """Fingerprints of the layers' weight matrices (an optimizer's update
-        through ``p.data`` changes no version counter: see
+        """Fingerprints of the weights the lean pass lays out (an optimizer's
+        update through ``p.data`` changes no version counter: see
         :mod:`fairseq_specdec.models.projection`)."""
-        return weights_fingerprint(p for p in self.decoder.layers.parameters() if p.dim() == 2)
+        weights = [p for p in self.decoder.layers.parameters()]
+        if self._projection is not None:
+            proj = self.decoder.output_projection
+            weights += [proj.weight] + ([proj.bias] if proj.bias is not None else [])
+        return weights_fingerprint(weights)
 
     def start(self) -> None:
         """A new batch: empty caches; the layers' weights gathered again if
@@ -152,11 +206,22 @@ class LeanVerifier(CachedVerifier):
         super().start()
         key = self._parameters_key()
         if key != self._weights_key:
-            self.layers = [_Layer(layer) for layer in self.decoder.layers]
+            self.layers = [_Layer(layer, self.gemm) for layer in self.decoder.layers]
+            if self._projection is not None:
+                proj = self.decoder.output_projection
+                self.output = make_linear(proj.weight, proj.bias, self.gemm)
             self._weights_key = key
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None
+
+    def describe(self) -> str:
+        return f"{self.impl} ({self.gemm} products)"
+
+    def _logits(self, x: Tensor) -> Tensor:
+        if self.output is None:
+            return super()._logits(x)
+        return self.output(x)
 
     # -- cache -------------------------------------------------------------
     def _prepare(self, state, width: int) -> None:
@@ -172,9 +237,9 @@ class LeanVerifier(CachedVerifier):
                 s, b = enc.size(0), enc.size(1)
                 heads = (s, b, lw.c_heads, lw.c_head_dim)
                 shape = (b * lw.c_heads, s, lw.c_head_dim)
+                kv = lw.ca_kv(enc).view(s, b, 2, lw.c_heads, lw.c_head_dim)
                 self.cross.append(tuple(
-                    transposed_linear(enc, *proj).view(heads).permute(1, 2, 0, 3).reshape(shape)
-                    for proj in (lw.ca_k, lw.ca_v)
+                    kv[:, :, j].permute(1, 2, 0, 3).reshape(shape) for j in range(2)
                 ))
         capacity = self.keys[0].size(2) if self.keys else 0
         if width > capacity:
@@ -225,7 +290,7 @@ class LeanVerifier(CachedVerifier):
 
         def self_attention(x: Tensor) -> Tensor:
             h, hd = lw.heads, lw.head_dim
-            qkv = transposed_linear(x, *lw.qkv).view(bsz, m, 3, h, hd)
+            qkv = lw.qkv(x).view(bsz, m, 3, h, hd)
             # bmm over (B * heads) matrices, as fairseq computes attention; the
             # cache is read through strided views (torch.matmul would copy them)
             q = (qkv[:, :, 0] * lw.scaling).transpose(1, 2).reshape(bsz * h, m, hd)
@@ -239,17 +304,18 @@ class LeanVerifier(CachedVerifier):
             capacity = keys.size(2)
             k3 = keys.view(bsz * h, capacity, hd)[:, :width]
             v3 = values.view(bsz * h, capacity, hd)[:, :width]
-            return transposed_linear(_attend(q, k3, v3, bsz, h, added=mask), *lw.sa_out)
+            return lw.sa_out(_attend(q, k3, v3, bsz, h, added=mask))
 
         def encoder_attention(x: Tensor) -> Tensor:
             h, hd = lw.c_heads, lw.c_head_dim
-            q = transposed_linear(x, *lw.ca_q).view(bsz, m, h, hd) * lw.c_scaling
+            q = lw.ca_q(x).view(bsz, m, h, hd) * lw.c_scaling
             q = q.transpose(1, 2).reshape(bsz * h, m, hd)
             keys, values = self.cross[i]  # B*heads x S x head_dim
-            return transposed_linear(_attend(q, keys, values, bsz, h, masked=self.enc_mask), *lw.ca_out)
+            return lw.ca_out(_attend(q, keys, values, bsz, h, masked=self.enc_mask))
 
         def feed_forward(x: Tensor) -> Tensor:
-            return transposed_linear(lw.activation(transposed_linear(x, *lw.fc1)), *lw.fc2)
+            hidden = lw.fc1(x)
+            return lw.fc2(hidden if lw.activation is None else lw.activation(hidden))
 
         for sublayer, norm in ((self_attention, lw.sa_ln), (encoder_attention, lw.ca_ln), (feed_forward, lw.final_ln)):
             if lw.normalize_before:

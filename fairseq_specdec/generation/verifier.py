@@ -67,6 +67,10 @@ class CachedVerifier:
         self.vocab_size = len(decoder.dictionary)
         self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
 
+    def describe(self) -> str:
+        """The verify pass in a few words, for the log."""
+        return self.impl
+
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
         return self.model.encoder.forward_torchscript(net_input)
 
@@ -145,14 +149,17 @@ class CachedVerifier:
         lprobs[needed] = self._log_probs(x[needed]).float()
         return lprobs
 
-    def _log_probs(self, x: Tensor) -> Tensor:
-        """The verifier's output layer, temperature and log-softmax."""
+    def _logits(self, x: Tensor) -> Tensor:
+        """The verifier's output layer."""
         dec = self.decoder
         if self._projection is not None:
             proj = dec.output_projection
-            logits = self._projection(x, proj.weight, proj.bias)
-        else:
-            logits = dec.output_layer(x)
+            return self._projection(x, proj.weight, proj.bias)
+        return dec.output_layer(x)
+
+    def _log_probs(self, x: Tensor) -> Tensor:
+        """The verifier's output layer, temperature and log-softmax."""
+        logits = self._logits(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
         return self.model.get_normalized_probs((logits, None), log_probs=True)
@@ -222,16 +229,24 @@ class CachedVerifier:
 VERIFY_IMPLS = ("auto", "lean", "fairseq")
 
 
-def build_verifier(model, temperature: float = 1.0, impl: str = "auto") -> CachedVerifier:
-    """The verify pass: ``lean`` (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`),
-    ``fairseq`` (:class:`CachedVerifier`, fairseq's own layer modules), or
-    ``auto``: lean where it supports the verifier's layers, else fairseq's."""
-    from .lean_verifier import LeanVerifier, lean_unsupported_reason
+def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: str = "auto") -> CachedVerifier:
+    """The verify pass: ``lean`` (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`,
+    its products computed as ``gemm`` says: ``--verify-gemm``), ``fairseq``
+    (:class:`CachedVerifier`, fairseq's own layer modules), or ``auto``: lean
+    where it supports the verifier's layers, else fairseq's."""
+    from .lean_verifier import VERIFY_GEMMS, LeanVerifier, lean_unsupported_reason
 
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"--verify-impl must be one of {', '.join(VERIFY_IMPLS)}, got {impl!r}")
+    if gemm not in VERIFY_GEMMS:
+        raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
     if impl == "fairseq":
+        if gemm == "rowgemm":
+            raise ValueError("--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq")
         return CachedVerifier(model, temperature)
     if impl == "auto" and lean_unsupported_reason(getattr(model, "decoder", None)) is not None:
+        if gemm == "rowgemm":
+            reason = lean_unsupported_reason(getattr(model, "decoder", None))
+            raise ValueError(f"--verify-gemm rowgemm needs the lean verify pass, which cannot run this verifier: {reason}")
         return CachedVerifier(model, temperature)
-    return LeanVerifier(model, temperature)
+    return LeanVerifier(model, temperature, gemm)

@@ -24,12 +24,14 @@ logger = logging.getLogger(__name__)
 
 from ..generation.acceptance import VERIFY_SCORES
 from ..generation.verifier import VERIFY_IMPLS
+from ..generation.lean_verifier import VERIFY_GEMMS
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
 from ..generation import build as _builtin_decodings  # noqa: F401  (registers them)
 
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
+VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
 
 #: --draft-min-confidence default: on the demo models it cut the weak drafters'
 #: rejected drafts (400-update specdec_vsd 1.13x -> 1.29x of --beam 1, paper
@@ -123,6 +125,17 @@ class DraftVerifyConfig(TranslationConfig):
             "(default): lean where the verifier's layers allow it"
         },
     )
+    verify_gemm: VERIFY_GEMM_CHOICES = field(
+        default="auto",
+        metadata={
+            "help": "speculative decodings with the lean verify pass: how its matrix products "
+            "are computed. 'rowgemm': the plugin's C++ kernel, which reads each weight once for "
+            "all the rows of a pass (a pass of 4 tokens costs little more than one of 1), in an "
+            "order that does not depend on the rows (float32 CPU weights, AVX2); 'torch': torch's "
+            "BLAS products; 'auto' (default): rowgemm where it runs, else torch. The two round "
+            "differently: see docs/verify-kernels.md for what that changed in measured output"
+        },
+    )
     block_size: Optional[int] = field(
         default=None,
         metadata={
@@ -210,6 +223,7 @@ class DraftVerifyTask(TranslationTask):
         ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
         ("block_size", None),
         ("verify_impl", "auto"),
+        ("verify_gemm", "auto"),
     )
 
     def check_no_speculative_options(self) -> None:

@@ -1,0 +1,343 @@
+"""The roofline of the verify pass: what a pass of m tokens costs on this
+machine, what it would cost if only arithmetic and weight reads counted, and
+where the difference goes.
+
+For a verifier (a checkpoint, or one of the :data:`SHAPES` with random
+weights), on ``--threads`` threads (default 1):
+
+* the machine: the float32 matrix-product peak (a 1024-cube product) and the
+  read bandwidth over a buffer the size of the decoder's weights (so a
+  verifier whose weights fit in the caches is judged by the caches' speed);
+* for each product implementation the lean verify pass can use
+  (``--verify-gemm torch`` and, where the extension runs, ``rowgemm``) and
+  m = 1 ... ``--max-m``: the measured cost of one verify pass of m tokens at
+  batch 1 over a prefix of ``--prefix`` tokens; its matrix products alone,
+  run back to back with the same inputs; and the rest (attention, norms,
+  residuals, per-operation overhead);
+* the ideal cost of the products: the larger of reading every weight once
+  and doing their arithmetic at the peak;
+* the operations a pass runs (ATen calls) and what one costs when it does
+  nothing (an empty-ish tensor op), so their product is the overhead no
+  kernel removes;
+* the break-even Tok.: a draft of k tokens pays only if it adds more than
+  ``verify_ms[k + 1] / verify_ms[1]`` tokens per iteration (drafter and loop
+  costs not counted, so this is a lower bound).
+
+``--json`` prints one object, among others ``{"verify_ms": {"1": ..., "2":
+..., ...}}`` for the default product implementation (``--verify-gemm auto``).
+"""
+import argparse
+import json
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+#: random-weight verifier shapes: the demo's (configs/multi30k-cpu.sh) and
+#: the papers' transformer-base and transformer-big (WMT, 32k vocabulary)
+SHAPES = {
+    "demo": dict(layers=3, dim=256, ffn=1024, heads=4, vocab=7976),
+    "base": dict(layers=6, dim=512, ffn=2048, heads=8, vocab=32000),
+    "big": dict(layers=6, dim=1024, ffn=4096, heads=16, vocab=32000),
+}
+
+
+def best_ms(fn: Callable[[], object], min_seconds: float = 0.2, rounds: int = 5) -> float:
+    """The fastest of ``rounds`` mean times of ``fn`` (ms), each round long
+    enough to last ``min_seconds / rounds``."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, int(min_seconds / rounds / once))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e3
+
+
+def machine_peak_gflops() -> float:
+    """float32 GFLOP/s of a 1024 x 1024 x 1024 product on the current threads."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 2 * 1024 ** 3 / (best_ms(lambda: torch.mm(a, b)) * 1e-3) / 1e9
+
+
+def read_bandwidth_gbs(nbytes: int) -> float:
+    """GB/s of reading a float32 buffer of ``nbytes`` (summed, warm)."""
+    import torch
+
+    buf = torch.ones(max(1, nbytes // 4))
+    return buf.numel() * 4 / (best_ms(lambda: buf.sum()) * 1e-3) / 1e9
+
+
+def op_overhead_ms() -> float:
+    """The cost of one tensor operation that does almost nothing (ms)."""
+    import torch
+
+    x = torch.zeros(1, 4)
+    return best_ms(lambda: x.add(1.0), min_seconds=0.1)
+
+
+def random_verifier(shape: Dict, seed: int = 1):
+    """A fairseq Transformer (post-norm, ReLU, shared embeddings, as the
+    recipes train) with random weights of ``shape``, in eval mode."""
+    import torch
+    from argparse import Namespace
+
+    from fairseq.data import Dictionary
+    from fairseq.models.transformer import TransformerModel, base_architecture
+
+    dictionary = Dictionary()
+    for i in range(shape["vocab"] - len(dictionary)):
+        dictionary.add_symbol(f"w{i}")
+    args = Namespace(
+        encoder_layers=shape["layers"], decoder_layers=shape["layers"],
+        encoder_embed_dim=shape["dim"], decoder_embed_dim=shape["dim"],
+        encoder_ffn_embed_dim=shape["ffn"], decoder_ffn_embed_dim=shape["ffn"],
+        encoder_attention_heads=shape["heads"], decoder_attention_heads=shape["heads"],
+        share_all_embeddings=True, dropout=0.0, max_source_positions=1024, max_target_positions=1024,
+    )
+    base_architecture(args)
+
+    class _Task:
+        source_dictionary = target_dictionary = dictionary
+
+    torch.manual_seed(seed)
+    return TransformerModel.build_model(args, _Task()).eval()
+
+
+class _PassBench:
+    """A lean verifier at batch 1 over a fixed prefix, ready to run passes of m tokens."""
+
+    def __init__(self, model, gemm: str, prefix: int, src_len: int):
+        import torch
+
+        from ..generation.lean_verifier import LeanVerifier
+        from ..generation.state import DecodingState
+
+        self.model = model
+        self.verifier = LeanVerifier(model, gemm=gemm)
+        vocab = len(model.decoder.dictionary)
+        g = torch.Generator().manual_seed(0)
+        src = torch.randint(4, vocab, (1, src_len), generator=g)
+        src[0, -1] = model.decoder.dictionary.eos()
+        sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([src_len])}}
+        self.verifier.start()
+        self.state = DecodingState(
+            sample, self.verifier.encode(sample["net_input"]), width=prefix + 64,
+            pad=model.decoder.dictionary.pad(), bos=model.decoder.dictionary.eos(), draft_k=1,
+        )
+        # fill the cache with the prefix: positions [0, prefix) hold it from now on
+        self.verifier.forward(torch.randint(4, vocab, (1, prefix), generator=g), self.state)
+        self.state.lengths = torch.tensor([prefix])
+        self.state.lengths_host = [prefix]
+        self.tokens = torch.randint(4, vocab, (1, 64), generator=g)
+
+    def run(self, m: int):
+        # the state never moves: every pass writes scratch past the prefix
+        return self.verifier.forward(self.tokens[:, :m], self.state)
+
+    def products(self, m: int) -> List[Callable[[], object]]:
+        """The pass's matrix products with inputs of m rows, as callables."""
+        import torch
+
+        x = torch.randn(1, m, self.model.decoder.embed_dim)
+        calls = []
+        for lw in self.verifier.layers:
+            hidden = torch.randn(1, m, lw.fc1(x).size(-1))
+            calls += [lambda lw=lw: lw.qkv(x), lambda lw=lw: lw.sa_out(x), lambda lw=lw: lw.ca_q(x),
+                      lambda lw=lw: lw.ca_out(x), lambda lw=lw: lw.fc1(x), lambda lw=lw, h=hidden: lw.fc2(h)]
+        calls.append(lambda: self.verifier._logits(x))
+        return calls
+
+    def count_ops(self, m: int) -> int:
+        """ATen operations one pass of m tokens dispatches."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Counter(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        with Counter():
+            self.run(m)
+        return Counter.n
+
+
+def decoder_weights(model) -> Dict[str, int]:
+    """Parameters a verify pass reads per token: the decoder's layer matrices
+    except the encoder-attention keys/values (computed once per sentence),
+    plus the vocabulary projection."""
+    params = 0
+    for layer in model.decoder.layers:
+        for name, p in layer.named_parameters():
+            if p.dim() == 2 and not name.startswith(("encoder_attn.k_proj", "encoder_attn.v_proj")):
+                params += p.numel()
+    params += model.decoder.output_projection.weight.numel()
+    return {"params": params, "bytes": params * 4}
+
+
+def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: Optional[List[str]] = None) -> Dict:
+    import torch
+
+    from ..generation.lean_verifier import resolve_gemm
+    from ..models import rowgemm
+
+    weight = next(model.parameters())
+    default = resolve_gemm("auto", weight)
+    if gemms is None:
+        gemms = ["torch"] + (["rowgemm"] if rowgemm.applies_to(weight) else [])
+    sizes = decoder_weights(model)
+    peak = machine_peak_gflops()
+    bandwidth = read_bandwidth_gbs(sizes["bytes"])
+    overhead = op_overhead_ms()
+    ms_range = range(1, max_m + 1)
+    ideal = {}
+    for m in ms_range:
+        read = sizes["bytes"] / (bandwidth * 1e9)
+        arithmetic = 2 * m * sizes["params"] / (peak * 1e9)
+        ideal[str(m)] = max(read, arithmetic) * 1e3
+    result = {
+        "threads": torch.get_num_threads(),
+        "machine": {"peak_gflops": round(peak, 1), "read_gbs": round(bandwidth, 1), "op_overhead_us": round(overhead * 1e3, 2)},
+        "weights": {"params": sizes["params"], "mbytes": round(sizes["bytes"] / 2 ** 20, 1)},
+        "prefix": prefix,
+        "default_gemm": default,
+        "ideal_products_ms": {k: round(v, 4) for k, v in ideal.items()},
+        "by_gemm": {},
+    }
+    with torch.no_grad():
+        for gemm in gemms:
+            bench = _PassBench(model, gemm, prefix, src_len)
+            rows = {"verify_ms": {}, "products_ms": {}, "rest_ms": {}, "ops": {}}
+            for m in ms_range:
+                total = best_ms(lambda: bench.run(m))
+                calls = bench.products(m)
+                products = best_ms(lambda: [c() for c in calls])
+                ops = bench.count_ops(m)
+                rows["verify_ms"][str(m)] = round(total, 4)
+                rows["products_ms"][str(m)] = round(products, 4)
+                rows["rest_ms"][str(m)] = round(total - products, 4)
+                rows["ops"][str(m)] = ops
+            one = rows["verify_ms"]["1"]
+            rows["ratio_to_m1"] = {k: round(v / one, 3) for k, v in rows["verify_ms"].items()}
+            rows["op_overhead_ms"] = {k: round(n * overhead, 4) for k, n in rows["ops"].items()}
+            # a draft of k tokens verifies k + 1: it must add this many tokens per iteration
+            rows["break_even_tok"] = {str(k): round(rows["verify_ms"][str(k + 1)] / one, 3) for k in range(1, max_m)}
+            result["by_gemm"][gemm] = rows
+    result["verify_ms"] = result["by_gemm"][default]["verify_ms"] if default in result["by_gemm"] else next(
+        iter(result["by_gemm"].values()))["verify_ms"]
+    return result
+
+
+def format_report(name: str, result: Dict) -> str:
+    mach = result["machine"]
+    lines = [
+        f"# Verify-pass roofline: {name}, {result['threads']} thread(s), batch 1, prefix {result['prefix']}",
+        "",
+        f"machine: {mach['peak_gflops']} GFLOP/s float32 product peak; {mach['read_gbs']} GB/s reading "
+        f"{result['weights']['mbytes']} MB (the weights a pass reads: {result['weights']['params']:,} parameters); "
+        f"{mach['op_overhead_us']} us per tensor operation",
+        f"default products (--verify-gemm auto): {result['default_gemm']}",
+        "",
+        "| products | m | verify ms | x m=1 | products ms | ideal products ms | rest ms | ops | ops x overhead ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for gemm, rows in result["by_gemm"].items():
+        for m in rows["verify_ms"]:
+            lines.append(
+                f"| {gemm} | {m} | {rows['verify_ms'][m]:.3f} | {rows['ratio_to_m1'][m]:.2f}x | "
+                f"{rows['products_ms'][m]:.3f} | {result['ideal_products_ms'][m]:.3f} | {rows['rest_ms'][m]:.3f} | "
+                f"{rows['ops'][m]} | {rows['op_overhead_ms'][m]:.3f} |"
+            )
+    lines.append("")
+    for gemm, rows in result["by_gemm"].items():
+        tok = ", ".join(f"k={k}: {v:.2f}" for k, v in rows["break_even_tok"].items())
+        lines.append(f"break-even Tok. ({gemm}; verify cost only, drafter and loop not counted): {tok}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scripts/roofline.py",
+        description="Roofline of the verify pass: measured and ideal cost of a pass of m tokens, per component.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                     help="a random-weight verifier of this shape (default demo, when --path is not given)")
+    src.add_argument("--path", default=None, help="a verifier checkpoint (fairseq Transformer)")
+    p.add_argument("--data", default=None, help="with --path: the binarized data directory its dictionaries are in "
+                   "(default: the checkpoint's own)")
+    p.add_argument("--max-m", type=int, default=8, help="verify passes of m = 1 ... this many tokens (default 8)")
+    p.add_argument("--prefix", type=int, default=12, help="tokens already in the cache (default 12)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--gemm", default=None, help="comma-separated --verify-gemm implementations to measure "
+                   "(default: torch, and rowgemm where it runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def load_checkpoint(path: str, data: Optional[str]):
+    import os
+
+    import fairseq_specdec  # noqa: F401  (registers the plugin's task and models)
+    from fairseq import checkpoint_utils
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--path {path}: no such checkpoint")
+    overrides = {"data": data} if data else None
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
+    return models[0].float().cpu().eval()
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_m < 1:
+        parser.error(f"--max-m must be >= 1, got {args.max_m}")
+    if args.prefix < 1:
+        parser.error(f"--prefix must be >= 1, got {args.prefix}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    gemms = None
+    if args.gemm:
+        from ..generation.lean_verifier import VERIFY_GEMMS
+
+        gemms = [g.strip() for g in args.gemm.split(",") if g.strip()]
+        bad = [g for g in gemms if g not in VERIFY_GEMMS or g == "auto"]
+        if bad:
+            parser.error(f"--gemm: unknown {', '.join(bad)} (choose from rowgemm, torch)")
+    if args.path:
+        try:
+            model = load_checkpoint(args.path, args.data)
+        except FileNotFoundError as error:
+            parser.error(str(error))
+        name = args.path
+    else:
+        shape = args.shape or "demo"
+        model = random_verifier(SHAPES[shape])
+        name = f"{shape} shape ({SHAPES[shape]['layers']}+{SHAPES[shape]['layers']} layers, d{SHAPES[shape]['dim']}, " \
+               f"FFN {SHAPES[shape]['ffn']}, vocabulary {SHAPES[shape]['vocab']}), random weights"
+    try:
+        result = roofline(model, args.max_m, args.prefix, gemms=gemms)
+    except ValueError as error:
+        parser.error(str(error))
+    result["verifier"] = name
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_report(name, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The row-blocked product kernel (``fairseq_specdec._rowgemm``) behind
+``--verify-gemm rowgemm``.
+
+* it computes ``F.linear`` (and the fused ReLU) for every shape the packing
+  has edge cases for: output features not a multiple of the 8-column panels
+  or of the 24-column register block, row counts around the 4-row groups,
+  inputs with leading dimensions, empty inputs;
+* a row's result is bitwise the same whatever other rows share the call
+  (the arithmetic contract the module documents);
+* it is built by the install (a silent fallback to torch would hide a broken
+  build), and it refuses what it cannot compute, by name.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_specdec.models import rowgemm
+
+needs_kernel = pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
+
+
+def test_the_install_built_the_kernel():
+    if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT") in ("1", "true", "yes"):
+        pytest.skip("FAIRSEQ_SPECDEC_NO_EXT is set: the install skipped the extension")
+    assert rowgemm.unavailable_reason() is None
+
+
+def reference(x, weight, bias, relu):
+    out = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return out.clamp_min(0) if relu else out
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 3), (8, 8), (23, 5), (24, 17), (25, 64), (49, 256), (1000, 96)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_computes_linear_for_every_panel_and_row_edge(out_features, in_features, relu, with_bias):
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    lin = rowgemm.PackedLinear(weight, bias, "relu" if relu else None)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 33):
+        x = torch.randn(m, in_features, generator=g)
+        got = lin(x)
+        assert got.shape == (m, out_features) and got.dtype == torch.float32
+        # float32 sums of in_features products: error grows like sqrt(K)
+        tol = 2e-6 * max(1.0, in_features ** 0.5) * (1 + x.abs().max().item() * weight.abs().max().item())
+        assert (got.double() - reference(x, weight, bias, relu)).abs().max().item() < tol
+        if relu:
+            assert bool((got >= 0).all())
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(7976, 256, generator=g), torch.randn(7976, generator=g)
+    lin = rowgemm.PackedLinear(weight, bias)
+    x = torch.randn(37, 256, generator=g)
+    together = lin(x)
+    for i in (0, 3, 4, 17, 36):
+        assert torch.equal(lin(x[i : i + 1]), together[i : i + 1])
+        assert torch.equal(lin(x[max(0, i - 2) : i + 1])[-1], together[i])
+
+
+@needs_kernel
+def test_leading_dimensions_and_empty_inputs():
+    weight = torch.randn(30, 16)
+    lin = rowgemm.PackedLinear(weight)
+    x = torch.randn(2, 3, 16)
+    assert torch.allclose(lin(x), x @ weight.t(), atol=1e-5)
+    assert lin(torch.randn(0, 16)).shape == (0, 30)
+    assert lin(x[:, :, :]).shape == (2, 3, 30)
+    strided = torch.randn(16, 5).t()  # a non-contiguous input is read correctly
+    assert torch.allclose(lin(strided), strided @ weight.t(), atol=1e-5)
+
+
+@needs_kernel
+def test_refuses_what_it_cannot_compute():
+    lin = rowgemm.PackedLinear(torch.randn(8, 4))
+    with pytest.raises(RuntimeError, match="x has 5 features, the weight 4"):
+        lin(torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match="float32"):
+        lin(torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        rowgemm.PackedLinear(torch.randn(8, 4), activation="gelu")
+    assert not rowgemm.applies_to(torch.randn(2, 2, dtype=torch.float16))
