@@ -349,3 +349,32 @@ def test_roofline_command_refuses_bad_options():
                           (["--path", "missing.pt"], "--path missing.pt: no such checkpoint")):
         proc = H.run([H.cli("python"), H.ROOT / "scripts" / "roofline.py", *argv], check=False)
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr[-500:])
+
+
+def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_checkpoint, tmp_path):
+    """scripts/interleave.py: every row decodes the same sentences each round;
+    strict plugin decodings are identical to fairseq's --beam 1 row; a row
+    that decodes differently (beam 2) is counted as such."""
+    out = tmp_path / "interleave.json"
+    proc = H.run([
+        H.cli("python"), H.ROOT / "scripts" / "interleave.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+        "--verifier", ar_checkpoint, "--limit", "12", "--rounds", "2",
+        "--row", "beam1=--decoding autoregressive", "--row", "loop-greedy=--decoding loop-greedy --verify-gemm torch",
+        "--row", f"loop-greedy-default=--path {ar_checkpoint} --decoding loop-greedy",
+        "--row", "beam2=--decoding autoregressive --beam 2", "--json", out,
+    ])
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert result["sentences"] == 12 and list(rows) == ["beam1", "loop-greedy", "loop-greedy-default", "beam2"]
+    assert rows["beam1"]["speedup"] == 1.0
+    assert rows["loop-greedy"]["identical"] == rows["loop-greedy-default"]["identical"] == 12
+    assert all(len(r["rounds_ms"]) == 2 and min(r["rounds_ms"]) == r["ms_per_sentence"] for r in rows.values())
+    assert "| loop-greedy | " in proc.stdout
+
+
+def test_interleave_command_refuses_bad_rows(toy_bin, ar_checkpoint):
+    for row, message in (("nameless", "expected NAME=OPTIONS"), ("x=--path", "--path needs a checkpoint"),
+                         ("x=--path missing.pt", "no such checkpoint: missing.pt")):
+        proc = H.run([H.cli("python"), H.ROOT / "scripts" / "interleave.py", "--data", toy_bin,
+                      "--verifier", ar_checkpoint, "--row", row], check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (row, proc.stderr[-400:])

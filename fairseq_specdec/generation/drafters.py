@@ -28,7 +28,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..models.projection import TransposedWeight
+from ..models import rowgemm
+from ..models.projection import DerivedWeight, TransposedWeight
 
 
 class Drafter:
@@ -220,10 +221,13 @@ class ShortlistProjection:
     ``num_types``).  A type left out only costs a rejected draft, never a
     wrong output.
 
-    After :meth:`start_batch`: ``weight_t`` (C x N, contiguous), ``bias`` (N:
-    the projection's bias or zeros, -inf at the ``never`` types) and
-    ``vocab`` (the N type ids; None for every type, whose transpose is kept
-    while the weight is unchanged)."""
+    After :meth:`start_batch`: ``bias`` (N: the projection's bias or zeros,
+    -inf at the ``never`` types), ``vocab`` (the N type ids; None for every
+    type, whose layout is kept while the weight is unchanged), and the N rows
+    of the weight laid out for :meth:`__call__`: packed for the row-blocked
+    kernel where it runs (:mod:`fairseq_specdec.models.rowgemm`; drafts may
+    round differently, the strict output cannot change), else ``weight_t``
+    (C x N, contiguous)."""
 
     def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...]):
         self.size = size if 0 < size < num_types else 0
@@ -233,16 +237,25 @@ class ShortlistProjection:
         self.weight_t: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self._full_t = TransposedWeight()
+        self._full_packed = DerivedWeight(lambda weight, bias: rowgemm.PackedLinear(weight))
+        self._packed = None
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
+        packed = rowgemm.applies_to(weight)
+        self._packed = None
         if self.size:
             ids = torch.arange(self.size, device=weight.device)
             if self.joined:
                 ids = torch.unique(torch.cat([ids, src_tokens.flatten()]))
-            self.vocab, self.weight_t = ids, weight.detach().index_select(0, ids).t().contiguous()
+            rows = weight.detach().index_select(0, ids)
+            self.vocab = ids
+            self.weight_t = None if packed else rows.t().contiguous()
+            self._packed = rowgemm.PackedLinear(rows) if packed else None
         else:
             ids = torch.arange(weight.size(0), device=weight.device)
-            self.vocab, self.weight_t = None, self._full_t.get(weight)
+            self.vocab = None
+            self.weight_t = None if packed else self._full_t.get(weight)
+            self._packed = self._full_packed.get(weight) if packed else None
         if bias is not None:
             bias = bias.detach().index_select(0, ids)
         else:
@@ -251,6 +264,13 @@ class ShortlistProjection:
         for t in self.never:
             never |= ids == t
         self.bias = bias.masked_fill(never, -math.inf)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``x @ weight_t + bias`` over the last axis of ``x``."""
+        if self._packed is not None:
+            return self._packed(x) + self.bias
+        flat = x.reshape(-1, x.size(-1))
+        return torch.addmm(self.bias, flat, self.weight_t).view(x.shape[:-1] + (self.bias.size(0),))
 
     def types(self, index: Tensor) -> Tensor:
         """Type ids of positions ``index`` along the projected axis."""
@@ -304,7 +324,7 @@ class BlockwiseHeadsDrafter(Drafter):
         hidden = torch.relu(torch.addmm(self.b1, x, self.w1)).view(bsz, num_heads, -1).transpose(0, 1)
         out = torch.baddbmm(self.b2, hidden, self.w2).transpose(0, 1) + x.unsqueeze(1)  # B x (k-1) x C
         p = self.projection
-        best = torch.addmm(p.bias, out.reshape(bsz * num_heads, -1), p.weight_t).argmax(-1).view(bsz, num_heads)
+        best = p(out.reshape(bsz * num_heads, -1)).argmax(-1).view(bsz, num_heads)
         self.pending = p.types(best)
 
     def propose(self, state, k):
@@ -351,7 +371,7 @@ class VerifierStateDrafter(Drafter):
         states = self.model.block_states(
             self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k
         )
-        logits = torch.matmul(states, self.projection.weight_t) + self.projection.bias
+        logits = self.projection(states)
         lprobs, best = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
         return self.projection.types(best), lprobs
 

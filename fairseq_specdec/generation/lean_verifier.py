@@ -189,6 +189,7 @@ class LeanVerifier(CachedVerifier):
         self.values: List[Tensor] = []
         self.cross: Optional[List[tuple]] = None
         self.enc_mask: Optional[Tensor] = None
+        self._bands = {}  # m -> causal mask band (see _causal_mask)
 
     def _parameters_key(self) -> tuple:
         """Fingerprints of the weights the lean pass lays out (an optimizer's
@@ -222,6 +223,21 @@ class LeanVerifier(CachedVerifier):
         if self.output is None:
             return super()._logits(x)
         return self.output(x)
+
+    def _causal_mask(self, x: Tensor, m: int, start: int) -> Tensor:
+        """m x (start + m) additive mask of a uniform pass: row i sees columns
+        ``<= start + i``.  A view into one tensor per m, made once per
+        capacity: ``band[i, j] = -inf`` where ``j - C > i`` (``C``: the cache
+        capacity), sliced at ``C - start``; the values are those of
+        ``cat([zeros(m, start), triu(full(m, m, -inf), 1)], 1)``."""
+        capacity = self.keys[0].size(2)
+        band = self._bands.get(m)
+        if band is None or band.size(1) != 2 * capacity or band.dtype != x.dtype or band.device != x.device:
+            j = torch.arange(2 * capacity, device=x.device) - capacity
+            i = torch.arange(m, device=x.device).unsqueeze(1)
+            band = x.new_zeros(m, 2 * capacity).masked_fill_(j.unsqueeze(0) > i, -math.inf)
+            self._bands[m] = band
+        return band[:, capacity - start : capacity + m]
 
     # -- cache -------------------------------------------------------------
     def _prepare(self, state, width: int) -> None:
@@ -268,9 +284,7 @@ class LeanVerifier(CachedVerifier):
         mask = None
         if uniform:
             if m > 1:
-                mask = torch.triu(x.new_full((m, m), -math.inf), 1)
-                if start > 0:
-                    mask = torch.cat([x.new_zeros(m, start), mask], dim=1)
+                mask = self._causal_mask(x, m, start)
             rows = positions = None
         else:
             last = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # B x m

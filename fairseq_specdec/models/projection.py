@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import rowgemm
+
 # [depth, epoch]: inside a scope when depth > 0; every entry starts a new epoch
 _SCOPE = [0, 0]
 
@@ -59,23 +61,32 @@ def weights_fingerprint(weights) -> tuple:
     return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights), tuple(values)
 
 
-class TransposedWeight:
+class DerivedWeight:
+    """``build(weight, bias)`` (a derived layout: a transpose, a packed
+    weight), rebuilt when the fingerprint of the weight or the bias changes."""
+
+    def __init__(self, build):
+        self._build = build
+        self._fingerprint = None
+        self._epoch = None
+        self._derived = None
+
+    def get(self, weight: Tensor, bias: Optional[Tensor] = None):
+        if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
+            return self._derived
+        fingerprint = (weight_fingerprint(weight), None if bias is None else weight_fingerprint(bias))
+        if fingerprint != self._fingerprint:
+            self._derived = self._build(weight.detach(), None if bias is None else bias.detach())
+            self._fingerprint = fingerprint
+        self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
+        return self._derived
+
+
+class TransposedWeight(DerivedWeight):
     """A contiguous ``weight.t()``, rebuilt when the weight's fingerprint changes."""
 
     def __init__(self):
-        self._fingerprint = None
-        self._epoch = None
-        self._weight_t: Optional[Tensor] = None
-
-    def get(self, weight: Tensor) -> Tensor:
-        if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
-            return self._weight_t
-        fingerprint = weight_fingerprint(weight)
-        if fingerprint != self._fingerprint:
-            self._weight_t = weight.detach().t().contiguous()
-            self._fingerprint = fingerprint
-        self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
-        return self._weight_t
+        super().__init__(lambda weight, bias: weight.t().contiguous())
 
 
 class TransposedProjection:
@@ -96,10 +107,18 @@ class TransposedProjection:
 
 def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     """``module(x)``, at inference (no gradients, eval mode) through a cached
-    contiguous transpose of its weight (:class:`TransposedWeight`, kept in
-    the module's ``__dict__``: never saved)."""
+    layout of its weight, kept in the module's ``__dict__`` (never saved) and
+    rebuilt when the weight changes: packed for the row-blocked kernel
+    (:mod:`fairseq_specdec.models.rowgemm`) where it runs, else a contiguous
+    transpose (:class:`TransposedWeight`).  For drafters, whose rounding
+    changes drafts, never the strict output."""
     if torch.is_grad_enabled() or module.training:
         return module(x)
+    if rowgemm.applies_to(module.weight) and x.dtype == torch.float32:
+        cache = module.__dict__.get("_specdec_packed")
+        if cache is None:
+            cache = module.__dict__["_specdec_packed"] = DerivedWeight(rowgemm.PackedLinear)
+        return cache.get(module.weight, module.bias)(x)
     cache = module.__dict__.get("_specdec_weight_t")
     if cache is None:
         cache = module.__dict__["_specdec_weight_t"] = TransposedWeight()
