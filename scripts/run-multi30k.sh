@@ -123,6 +123,12 @@ stage_benchmark() {
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
     --out "$OUT/benchmark" --jobs "$BENCH_JOBS" --batch-sizes "${BENCH_BATCH_SIZES:-1,32}" \
     --relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
+  # what a verify pass of m tokens costs on this machine, against its ideal:
+  # the answer to "when does speculation pay here" (docs/verify-kernels.md)
+  mkdir -p "$OUT/benchmark"
+  log "roofline of the verify pass, 1 thread ($OUT/benchmark/roofline.md, roofline.json)"
+  "$PY" "$HERE/scripts/roofline.py" --path "$OUT/verifier/checkpoint_best.pt" --data "$OUT/distill/bin" \
+    --json-out "$OUT/benchmark/roofline.json" > "$OUT/benchmark/roofline.md"
 }
 
 for group in "${STAGES[@]}"; do

@@ -335,6 +335,10 @@ def test_multi30k_cpu_config_passes_cpu_everywhere(tmp_path):
     assert f"paper={tmp_path}/run/drafter/checkpoint_selected.pt" in drafters
     assert f"vsd={tmp_path}/run/vsd/checkpoint_last.pt" in drafters
     assert "blockwise" in option(bench, "--rows").split(",")
+    # the roofline of the verifier's pass comes with the benchmark
+    (roofline,) = [a for a in recorded if len(a) > 1 and a[1].endswith("scripts/roofline.py")]
+    assert option(roofline, "--path") == f"{tmp_path}/run/verifier/checkpoint_best.pt"
+    assert option(roofline, "--json-out") == f"{tmp_path}/run/benchmark/roofline.json"
 
 
 def test_multi30k_gpu_config_trains_longer_without_cpu(tmp_path):

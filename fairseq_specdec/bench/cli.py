@@ -109,15 +109,22 @@ def load_decodings(user_dir: Optional[str]) -> Dict:
 
 
 def markdown_table(rows: List[Dict]) -> str:
-    """The results table; a peak GPU memory column when the rows ran on cuda."""
+    """The results table; a peak GPU memory column when the rows ran on cuda,
+    a "vs loop-greedy" column when a loop-greedy row ran (the plugin's own
+    greedy loop: what speculation must beat)."""
     gpu = any(r.get("peak_gpu_mb") is not None for r in rows)
-    head = ("| decoder | batch | sent/s | ms/sent | vs beam 5 | vs beam 1 | Tok. | iterations "
-            "| sacreBLEU | tok. BLEU | peak MB |" + (" peak GPU MB |" if gpu else "") + " = beam 1 |")
-    lines = [head, "|" + "---|" * (13 if gpu else 12)]
+    greedy = any(r.get("speedup_vs_loop_greedy") is not None for r in rows)
+    head = ("| decoder | batch | sent/s | ms/sent | vs beam 5 | vs beam 1 |" + (" vs loop-greedy |" if greedy else "")
+            + " Tok. | iterations | sacreBLEU | tok. BLEU | peak MB |" + (" peak GPU MB |" if gpu else "") + " = beam 1 |")
+    lines = [head, "|" + "---|" * (12 + gpu + greedy)]
     for r in rows:
+        vs_greedy = ""
+        if greedy:
+            ratio = r.get("speedup_vs_loop_greedy")
+            vs_greedy = f"| {ratio:.2f}x " if ratio is not None else "| "
         lines.append(
             f"| {r['label']} | {r['batch_size']} | {r['sent_per_s']:.1f} | {r['ms_per_sent']:.2f} "
-            f"| {r['speedup_vs_beam5']:.2f}x | {r['speedup_vs_beam1']:.2f}x | {r['tok']:.2f} | {r['iterations']} "
+            f"| {r['speedup_vs_beam5']:.2f}x | {r['speedup_vs_beam1']:.2f}x {vs_greedy}| {r['tok']:.2f} | {r['iterations']} "
             f"| {r['sacrebleu']:.2f} | {r.get('tok_bleu', float('nan')):.2f} | {r['peak_rss_mb']:.0f} "
             + (f"| {r.get('peak_gpu_mb', float('nan')):.0f} " if gpu else "")
             + f"| {r['identical_to_beam1']} |"
@@ -225,13 +232,16 @@ def write_outputs(args, results: Dict, rows: List[Dict]) -> None:
 
 
 def compare_with_beams(rows: List[Dict]) -> None:
-    """Speedups against beam 5 and beam 1, and identity to beam 1, each at the row's batch size."""
+    """Speedups against beam 5 and beam 1 (and the plugin's greedy loop, when
+    a loop-greedy row ran), and identity to beam 1, each at the row's batch size."""
     by_name = {r["name"]: r for r in rows}
     for r in rows:
         bs = r["batch_size"]
         b5, b1 = by_name[f"beam5@bs{bs}"], by_name[f"beam1@bs{bs}"]
+        greedy = by_name.get(f"loop-greedy@bs{bs}")
         r["speedup_vs_beam5"] = b5["seconds"] / r["seconds"]
         r["speedup_vs_beam1"] = b1["seconds"] / r["seconds"]
+        r["speedup_vs_loop_greedy"] = greedy["seconds"] / r["seconds"] if greedy is not None else None
         r["identical_to_beam1"] = all(r["tokens"][k] == b1["tokens"][k] for k in b1["tokens"])
         r["differs_from_beam1"] = sum(r["tokens"][k] != b1["tokens"][k] for k in b1["tokens"])
 

@@ -22,6 +22,7 @@ import logging
 import shlex
 import sys
 import time
+import warnings
 from typing import Dict, List
 
 
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
         parser.error(f"--data {args.data}: no such directory")
 
     logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")  # hydra and torch deprecation notes, not results
     from .loading import load_decoder
 
     loaded = []

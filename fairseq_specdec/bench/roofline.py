@@ -58,6 +58,26 @@ def best_ms(fn: Callable[[], object], min_seconds: float = 0.2, rounds: int = 5)
     return best * 1e3
 
 
+def interleaved_best_ms(fns: Dict[str, Callable[[], object]], seconds: float = 1.0, rounds: int = 10) -> Dict[str, float]:
+    """:func:`best_ms` of several callables measured in turn, round by round,
+    so that a machine whose speed drifts slows them all alike: each gets
+    about ``seconds`` in all, and its fastest round counts."""
+    reps = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        reps[name] = max(1, int(seconds / rounds / max(time.perf_counter() - t0, 1e-6)))
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / reps[name] * 1e3)
+    return best
+
+
 def machine_peak_gflops() -> float:
     """float32 GFLOP/s of a 1024 x 1024 x 1024 product on the current threads."""
     import torch
@@ -183,7 +203,8 @@ def decoder_weights(model) -> Dict[str, int]:
     return {"params": params, "bytes": params * 4}
 
 
-def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: Optional[List[str]] = None) -> Dict:
+def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: Optional[List[str]] = None,
+             seconds: float = 1.0) -> Dict:
     import torch
 
     from ..generation.lean_verifier import resolve_gemm
@@ -216,15 +237,18 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
         for gemm in gemms:
             bench = _PassBench(model, gemm, prefix, src_len)
             rows = {"verify_ms": {}, "products_ms": {}, "rest_ms": {}, "ops": {}}
+            fns = {}
             for m in ms_range:
-                total = best_ms(lambda: bench.run(m))
                 calls = bench.products(m)
-                products = best_ms(lambda: [c() for c in calls])
-                ops = bench.count_ops(m)
+                fns[("pass", m)] = lambda m=m: bench.run(m)
+                fns[("products", m)] = lambda calls=calls: [c() for c in calls]
+            timed = interleaved_best_ms(fns, seconds)
+            for m in ms_range:
+                total, products = timed[("pass", m)], timed[("products", m)]
                 rows["verify_ms"][str(m)] = round(total, 4)
                 rows["products_ms"][str(m)] = round(products, 4)
                 rows["rest_ms"][str(m)] = round(total - products, 4)
-                rows["ops"][str(m)] = ops
+                rows["ops"][str(m)] = bench.count_ops(m)
             one = rows["verify_ms"]["1"]
             rows["ratio_to_m1"] = {k: round(v / one, 3) for k, v in rows["verify_ms"].items()}
             rows["op_overhead_ms"] = {k: round(n * overhead, 4) for k, n in rows["ops"].items()}
@@ -277,9 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-m", type=int, default=8, help="verify passes of m = 1 ... this many tokens (default 8)")
     p.add_argument("--prefix", type=int, default=12, help="tokens already in the cache (default 12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="time spent on each measurement, in 5 rounds whose fastest counts (default 1.0)")
     p.add_argument("--gemm", default=None, help="comma-separated --verify-gemm implementations to measure "
                    "(default: torch, and rowgemm where it runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     return p
 
 
@@ -305,6 +332,8 @@ def main(argv=None) -> int:
         parser.error(f"--prefix must be >= 1, got {args.prefix}")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.seconds <= 0:
+        parser.error(f"--seconds must be > 0, got {args.seconds}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -328,10 +357,13 @@ def main(argv=None) -> int:
         name = f"{shape} shape ({SHAPES[shape]['layers']}+{SHAPES[shape]['layers']} layers, d{SHAPES[shape]['dim']}, " \
                f"FFN {SHAPES[shape]['ffn']}, vocabulary {SHAPES[shape]['vocab']}), random weights"
     try:
-        result = roofline(model, args.max_m, args.prefix, gemms=gemms)
+        result = roofline(model, args.max_m, args.prefix, gemms=gemms, seconds=args.seconds)
     except ValueError as error:
         parser.error(str(error))
     result["verifier"] = name
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
     if args.json:
         print(json.dumps(result))
     else:
