@@ -159,9 +159,8 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, int
   auto x2 = x_in.reshape({m, K});
   auto xt = torch::empty({groups * K * kGroupRows}, x_in.options());
   {
-    const float* xs = nullptr;
-    auto xc = x2.contiguous();
-    xs = xc.data_ptr<float>();
+    const auto xc = x2.contiguous();
+    const float* xs = xc.data_ptr<float>();
     float* xd = xt.data_ptr<float>();
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t rows = std::min<int64_t>(kGroupRows, m - g * kGroupRows);

@@ -242,7 +242,6 @@ class ShortlistProjection:
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         packed = rowgemm.applies_to(weight)
-        self._packed = None
         if self.size:
             ids = torch.arange(self.size, device=weight.device)
             if self.joined:

@@ -244,9 +244,9 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
         if gemm == "rowgemm":
             raise ValueError("--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq")
         return CachedVerifier(model, temperature)
-    if impl == "auto" and lean_unsupported_reason(getattr(model, "decoder", None)) is not None:
+    reason = lean_unsupported_reason(getattr(model, "decoder", None)) if impl == "auto" else None
+    if reason is not None:
         if gemm == "rowgemm":
-            reason = lean_unsupported_reason(getattr(model, "decoder", None))
             raise ValueError(f"--verify-gemm rowgemm needs the lean verify pass, which cannot run this verifier: {reason}")
         return CachedVerifier(model, temperature)
     return LeanVerifier(model, temperature, gemm)
