@@ -222,39 +222,43 @@ class ShortlistProjection:
     wrong output.
 
     After :meth:`start_batch`: ``bias`` (N: the projection's bias or zeros,
-    -inf at the ``never`` types), ``vocab`` (the N type ids; None for every
-    type, whose layout is kept while the weight is unchanged), and the N rows
-    of the weight laid out for :meth:`__call__`: packed for the row-blocked
-    kernel where it runs (:mod:`fairseq_specdec.models.rowgemm`; drafts may
-    round differently, the strict output cannot change), else ``weight_t``
-    (C x N, contiguous)."""
+    -inf at the ``never`` types) and ``vocab`` (the N type ids: the frequent
+    types in dictionary order, then the batch's other source types; None for
+    every type).  The weight's layout for the frequent (or every) type is
+    derived once per weight and kept while the weight is unchanged (a
+    :class:`DerivedWeight`): packed for the row-blocked kernel where it runs
+    (:mod:`fairseq_specdec.models.rowgemm`; drafts may round differently, the
+    strict output cannot change), else a contiguous transpose.  Only the few
+    source types outside the frequent ones are gathered per batch."""
 
     def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...]):
         self.size = size if 0 < size < num_types else 0
         self.joined = joined
         self.never = never
         self.vocab: Optional[Tensor] = None
-        self.weight_t: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
-        self._full_t = TransposedWeight()
-        self._full_packed = DerivedWeight(lambda weight, bias: rowgemm.PackedLinear(weight))
-        self._packed = None
+        self._base = None  # the frequent (or every) type's layout, callable on x
+        self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
+        self._packed = DerivedWeight(lambda weight, bias: rowgemm.PackedLinear(weight))
+        self._transposed = TransposedWeight()
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
-        packed = rowgemm.applies_to(weight)
-        if self.size:
-            ids = torch.arange(self.size, device=weight.device)
-            if self.joined:
-                ids = torch.unique(torch.cat([ids, src_tokens.flatten()]))
-            rows = weight.detach().index_select(0, ids)
-            self.vocab = ids
-            self.weight_t = None if packed else rows.t().contiguous()
-            self._packed = rowgemm.PackedLinear(rows) if packed else None
+        base = weight[: self.size] if self.size else weight
+        if rowgemm.applies_to(weight):
+            self._base = self._packed.get(base)
         else:
-            ids = torch.arange(weight.size(0), device=weight.device)
-            self.vocab = None
-            self.weight_t = None if packed else self._full_t.get(weight)
-            self._packed = self._full_packed.get(weight) if packed else None
+            base_t = self._transposed.get(base)
+            self._base = lambda x: torch.matmul(x, base_t)
+        ids = torch.arange(base.size(0), device=weight.device)
+        self.vocab, self._extra_t = None, None
+        if self.size:
+            if self.joined:
+                src = torch.unique(src_tokens.flatten())
+                extra = src[src >= self.size]
+                if extra.numel() > 0:
+                    self._extra_t = weight.detach().index_select(0, extra).t().contiguous()
+                    ids = torch.cat([ids, extra])
+            self.vocab = ids
         if bias is not None:
             bias = bias.detach().index_select(0, ids)
         else:
@@ -265,11 +269,11 @@ class ShortlistProjection:
         self.bias = bias.masked_fill(never, -math.inf)
 
     def __call__(self, x: Tensor) -> Tensor:
-        """``x @ weight_t + bias`` over the last axis of ``x``."""
-        if self._packed is not None:
-            return self._packed(x) + self.bias
-        flat = x.reshape(-1, x.size(-1))
-        return torch.addmm(self.bias, flat, self.weight_t).view(x.shape[:-1] + (self.bias.size(0),))
+        """``x @ weight[vocab].t() + bias`` over the last axis of ``x``."""
+        out = self._base(x)
+        if self._extra_t is not None:
+            out = torch.cat([out, torch.matmul(x, self._extra_t)], dim=-1)
+        return out + self.bias
 
     def types(self, index: Tensor) -> Tensor:
         """Type ids of positions ``index`` along the projected axis."""
