@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import specdec_helpers as H
 import fairseq_specdec  # noqa: F401
@@ -283,3 +284,89 @@ def test_cli_specdec_stats_into_a_missing_directory(toy_bin, transformer_checkpo
                       "--max-len-b", "3", "--specdec-stats", stats, task="draft_verify", batch_size=16)
     assert sorted(H.read_stats(stats)) == list(range(50))
     assert sorted(H.parse_generate(proc.stdout)) == list(range(50))
+
+
+# ---- bad values and options that reach no decoder ------------------------------
+
+
+@pytest.mark.parametrize("tau", ["nan", "-inf"])
+def test_verify_tau_that_is_not_a_number_is_refused(toy_bin, untrained_verifier, random_drafter_checkpoint, tau):
+    """NaN compares false with everything: relaxed decoding would silently accept nothing."""
+    with pytest.raises(ValueError, match=f"--verify-tau must be .* got {tau}"):
+        build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", random_drafter_checkpoint,
+              "--verify-beta", "2", f"--verify-tau={tau}")
+
+
+def test_infinite_verify_tau_is_no_limit(toy_bin, untrained_verifier, random_drafter_checkpoint):
+    gen = build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", random_drafter_checkpoint,
+                "--verify-beta", "2", "--verify-tau", "inf")
+    assert gen.acceptance.tau == float("inf")
+
+
+@pytest.mark.parametrize("k", ["-1", "0", "2", "100000"])
+def test_loop_greedy_refuses_a_block_size(toy_bin, untrained_verifier, k):
+    """loop-greedy never drafts: a block size was logged as 1 whatever was given."""
+    with pytest.raises(ValueError, match=f"--block-size does not apply \\(got {k}\\)"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy", "--block-size", k)
+
+
+def test_specdec_stats_under_autoregressive_is_refused(toy_bin, untrained_verifier, tmp_path):
+    stats = tmp_path / "stats.jsonl"
+    with pytest.raises(ValueError, match="--specdec-stats .* applies to speculative decodings only"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "autoregressive", "--specdec-stats", str(stats))
+    assert not stats.exists()
+
+
+@pytest.mark.parametrize("where", ["directory", "under a file"])
+def test_specdec_stats_that_cannot_be_a_file_is_named(toy_bin, untrained_verifier, tmp_path, where):
+    if where == "directory":
+        stats = tmp_path
+    else:
+        (tmp_path / "plain").write_text("x")
+        stats = tmp_path / "plain" / "stats.jsonl"
+    with pytest.raises(ValueError, match=f"--specdec-stats {stats}"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy", "--specdec-stats", str(stats))
+
+
+@pytest.mark.parametrize("how", ["in --path", "--drafter-path"])
+def test_score_reference_with_a_drafter_says_what_to_do(toy_bin, untrained_verifier, tiny_drafter,
+                                                        random_drafter_checkpoint, how):
+    """It used to say 'use --decoding draft-verify', which the user had given."""
+    models = [untrained_verifier[0]] + ([tiny_drafter[0]] if how == "in --path" else [])
+    extra = ["--drafter-path", random_drafter_checkpoint] if how == "--drafter-path" else []
+    with pytest.raises(ValueError, match="--score-reference scores the references with the verifier alone"):
+        build(toy_bin, models, *DV, "--score-reference", *extra)
+
+
+def test_score_reference_without_a_drafter_scores(toy_bin, untrained_verifier):
+    gen = build(toy_bin, [untrained_verifier[0]], *DV, "--score-reference")
+    assert type(gen).__name__ == "SequenceScorer"
+
+
+@pytest.fixture(scope="module")
+def untrained_vsd(toy_bin, transformer_checkpoint):
+    """An untrained specdec_vsd drafter of ``transformer_checkpoint`` (k = 4, offsets for 6 slots)."""
+    _, cfg = H.train_args_namespace(
+        toy_bin, "--task", "draft_verify", "--arch", "specdec_vsd", "--criterion", "glat_block",
+        "--embed-dim", "64", "--attention-heads", "2", "--ffn-embed-dim", "128", "--block-size", "4", "--max-block", "6", "--init-from-verifier", transformer_checkpoint,
+        "--cpu", "--optimizer", "adam",
+    )
+    task = tasks.setup_task(cfg.task)
+    return task.build_model(cfg.model).eval()
+
+
+def test_vsd_block_size_beyond_its_slot_table_is_refused(toy_bin, untrained_verifier, untrained_vsd):
+    """It crashed mid-run (a tensor-size error) after writing part of the results."""
+    verifier = untrained_verifier[0]
+    assert build(toy_bin, [verifier, untrained_vsd], *DV, "--block-size", "6").block_size == 6
+    with pytest.raises(ValueError, match="--block-size 7: the drafter .* at most 6 tokens per pass"):
+        build(toy_bin, [verifier, untrained_vsd], *DV, "--block-size", "7")
+
+
+def test_vsd_of_another_verifier_in_path_names_path(toy_bin, untrained_vsd):
+    """The refusal named --drafter-path for a drafter given in --path."""
+    _, cfg = H.train_args_namespace(toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, "--cpu", "--seed", "7")
+    torch.manual_seed(7)
+    other = tasks.setup_task(cfg.task).build_model(cfg.model).eval()
+    with pytest.raises(ValueError, match="the second model in --path\\) is a specdec_vsd drafter trained on another"):
+        build(toy_bin, [other, untrained_vsd], *DV)

@@ -2,6 +2,7 @@
 with flat keywords, greedy translate() without beam=1, the drafter read once,
 a statistics line per translate(); the README's example runs as written; the
 flat-keyword call that fairseq would silently ignore is refused."""
+import json
 import logging
 import os
 import re
@@ -164,3 +165,67 @@ def test_helper_takes_flat_keywords(toy_bin, translation_checkpoint, random_draf
     assert loads.get(os.path.realpath(random_drafter_checkpoint)) == 1, loads
     with pytest.raises(ValueError, match="task"):
         from_pretrained(folder, checkpoint_file=name, data_name_or_path=toy_bin, task="translation")
+
+
+def _toy_sentences(toy_bin, n):
+    raw = Path(toy_bin).parent / "raw" / "test.src"
+    return raw.read_text().splitlines()[:n]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load_in", ["plain", "inference_mode"])
+def test_hub_works_under_inference_mode_no_grad_and_plain(toy_bin, ar_checkpoint, random_drafter_checkpoint,
+                                                          tmp_path, load_in):
+    """Serving code wraps inference in torch.inference_mode(): the first
+    translate() there raised "Inference tensors do not track version counter"
+    (the cached weight layouts' fingerprints), and every later call too.  A
+    model loaded inside inference_mode, or outside it, translates in all three
+    modes, first call and later ones, as fairseq's beam 1 does."""
+    import torch
+    from fairseq_specdec.hub import from_pretrained
+
+    sentences = _toy_sentences(toy_bin, 3)
+    reference = TransformerModel.from_pretrained(
+        os.path.dirname(ar_checkpoint), checkpoint_file=os.path.basename(ar_checkpoint), data_name_or_path=toy_bin
+    )
+    expected = [reference.translate(s, beam=1) for s in sentences]
+
+    def load():
+        return from_pretrained(
+            os.path.dirname(ar_checkpoint), checkpoint_file=os.path.basename(ar_checkpoint),
+            data_name_or_path=toy_bin, drafter_path=random_drafter_checkpoint,
+        )
+
+    if load_in == "inference_mode":
+        with torch.inference_mode():
+            translator = load()
+    else:
+        translator = load()
+    for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with mode():
+            assert translator.translate(sentences) == expected, mode.__name__
+
+
+@pytest.mark.slow
+def test_hub_statistics_file_keeps_every_translate_call(toy_bin, ar_checkpoint, random_drafter_checkpoint, tmp_path):
+    """Each translate() builds a generator; the second one used to start the
+    --specdec-stats file anew, keeping only its own rows.  A new translator
+    (a new run) starts it anew."""
+    from fairseq_specdec.hub import from_pretrained
+
+    stats = tmp_path / "stats.jsonl"
+
+    def load():
+        return from_pretrained(
+            os.path.dirname(ar_checkpoint), checkpoint_file=os.path.basename(ar_checkpoint),
+            data_name_or_path=toy_bin, drafter_path=random_drafter_checkpoint, specdec_stats=str(stats),
+        )
+
+    translator = load()
+    sentences = _toy_sentences(toy_bin, 3)
+    translator.translate(sentences[0])
+    translator.translate(sentences[1:])
+    # ids restart at 0 in every translate(): count the rows
+    assert sorted(json.loads(line)["id"] for line in stats.read_text().splitlines()) == [0, 0, 1]
+    load().translate(sentences[0])
+    assert len(stats.read_text().splitlines()) == 1

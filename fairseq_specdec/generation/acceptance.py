@@ -43,8 +43,8 @@ class TopBetaAcceptance:
     def __init__(self, beta: int, tau: float, score: str = "verifier"):
         if beta < 1:
             raise ValueError(f"--verify-beta must be >= 1, got {beta}")
-        if tau < 0:
-            raise ValueError(f"--verify-tau must be >= 0, got {tau}")
+        if not tau >= 0:  # NaN too: it would accept nothing, silently
+            raise ValueError(f"--verify-tau must be a number >= 0 (inf: no limit), got {tau}")
         if score not in VERIFY_SCORES:
             raise ValueError(f"--verify-score must be one of {VERIFY_SCORES}, got {score!r}")
         self.beta, self.tau, self.score = beta, tau, score

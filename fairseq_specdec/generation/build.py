@@ -102,9 +102,9 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
     if len(drafters) > 1:
         raise ValueError(f"--path holds {len(drafters)} drafters; give one")
     if drafters:
-        model, source = drafters[0], "second model in --path"
+        model, source = drafters[0], "the second model in --path"
     elif cfg.drafter_path:
-        model, source = load_drafter(task, cfg.drafter_path, verifier), cfg.drafter_path
+        model, source = load_drafter(task, cfg.drafter_path, verifier), f"--drafter-path {cfg.drafter_path}"
     else:
         raise ValueError(
             "--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
@@ -115,8 +115,8 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
     )
     block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
-    drafter, description = model.build_drafter(verifier, need_scores)
-    return BuiltDrafter(drafter, block_size, f"{description} {source}")
+    drafter, description = model.build_drafter(verifier, need_scores, source)
+    return BuiltDrafter(drafter, block_size, f"{description} ({source})")
 
 
 def _no_drafter_model(ctx: DrafterContext, what: str) -> None:
@@ -157,6 +157,12 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
 
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "never drafts")
+    k = ctx.cfg.block_size
+    if k is not None and k != 1:
+        raise ValueError(
+            f"--decoding {ctx.cfg.decoding} never drafts (one verifier token per iteration): "
+            f"--block-size does not apply (got {k}); drop it"
+        )
     return BuiltDrafter(NoDrafter(), 1, "none: one verifier token per iteration")
 
 
@@ -199,7 +205,13 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     built = decoding.build(DrafterContext(task, verifier, drafters, acceptance))
     if built.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {built.block_size}")
-    stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding)
+    most = built.drafter.max_block
+    if most is not None and built.block_size > most:
+        raise ValueError(
+            f"--block-size {built.block_size}: the drafter ({built.description}) drafts at most "
+            f"{most} tokens per pass (its --max-block); give --block-size {most} or less"
+        )
+    stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding, append=task.stats_file_started(cfg.specdec_stats))
     generator = SpeculativeGenerator(
         verifier,
         built.drafter,

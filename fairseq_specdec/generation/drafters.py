@@ -37,6 +37,9 @@ class Drafter:
 
     #: largest prefix + block length the drafter accepts (None: unlimited)
     max_positions: Optional[int] = None
+    #: most tokens one pass can draft (None: any); a larger --block-size is
+    #: refused when the generator is built
+    max_block: Optional[int] = None
 
     def start_batch(self, state) -> None:
         self.start(state.net_input, state.size)
@@ -352,9 +355,10 @@ class VerifierStateDrafter(Drafter):
     dictionary).  It returns drafts with their (shortlist) log-probs, so the
     confidence cut of ``--draft-min-confidence`` applies."""
 
-    def __init__(self, model, verifier_model, shortlist: int = 0):
-        model.check_verifier(verifier_model, "--drafter-path")
+    def __init__(self, model, verifier_model, shortlist: int = 0, source: str = "--drafter-path"):
+        model.check_verifier(verifier_model, source)
         self.model = model
+        self.max_block = model.offsets.num_embeddings  # one slot offset per drafted token
         self.projection = ShortlistProjection(
             shortlist, model.num_types, joined_dictionaries(verifier_model), (model.padding_idx, model.dictionary.bos())
         )

@@ -18,7 +18,11 @@ class SpecDecStats:
     ``iterations`` is the number of verifier calls.
     """
 
-    def __init__(self, path: Optional[str] = None, name: str = "draft-verify"):
+    def __init__(self, path: Optional[str] = None, name: str = "draft-verify", append: bool = False):
+        """``path``: the JSON-lines file of per-sentence rows (``--specdec-stats``),
+        started anew, or appended to with ``append``; its directory is made
+        as fairseq makes ``--results-path``'s.  A path that cannot be a file
+        is refused here, before anything is decoded, naming the option."""
         self.name = name
         self.sentences = 0
         self.tokens = 0
@@ -27,9 +31,14 @@ class SpecDecStats:
         self.path = path
         self._file = None
         if path:
+            if os.path.isdir(path):
+                raise ValueError(f"--specdec-stats {path}: is a directory; give a file name (JSON lines)")
             parent = os.path.dirname(os.path.abspath(path))
-            os.makedirs(parent, exist_ok=True)  # as fairseq does for --results-path
-            self._file = open(path, "w", buffering=1, encoding="utf-8")
+            try:
+                os.makedirs(parent, exist_ok=True)
+                self._file = open(path, "a" if append else "w", buffering=1, encoding="utf-8")
+            except OSError as err:
+                raise ValueError(f"--specdec-stats {path}: cannot write the statistics file there ({err.strerror or err})") from err
 
     def add(self, sample_id: int, length: int, accepted: List[int], seconds: float) -> None:
         """``length``: output tokens excluding the final EOS; ``accepted``:

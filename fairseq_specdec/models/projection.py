@@ -46,9 +46,17 @@ def _sampled_values(weight: Tensor) -> Tensor:
     return flat[:: max(1, flat.numel() // 16)][:16]
 
 
+def _version(weight: Tensor) -> int:
+    """``weight._version``, or -1 for a tensor made under
+    ``torch.inference_mode()`` (a model loaded there), which keeps no version
+    counter; such a tensor cannot be changed in place outside inference mode,
+    and inside it the sampled values still tell most changes."""
+    return -1 if weight.is_inference() else weight._version
+
+
 def weight_fingerprint(weight: Tensor) -> tuple:
     """Storage, version, dtype, device and 16 sampled values of ``weight``."""
-    return (weight.data_ptr(), weight._version, weight.dtype, weight.device, tuple(_sampled_values(weight).tolist()))
+    return (weight.data_ptr(), _version(weight), weight.dtype, weight.device, tuple(_sampled_values(weight).tolist()))
 
 
 def weights_fingerprint(weights) -> tuple:
@@ -58,7 +66,7 @@ def weights_fingerprint(weights) -> tuple:
     if not weights:
         return ()
     values = torch.cat([_sampled_values(w).to(weights[0].dtype) for w in weights]).tolist()
-    return tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights), tuple(values)
+    return tuple((w.data_ptr(), _version(w), w.dtype, w.device) for w in weights), tuple(values)
 
 
 class DerivedWeight:

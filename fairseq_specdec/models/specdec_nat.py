@@ -190,8 +190,9 @@ class SpecDecNATModel(TransformerModel):
             limit = min(limit, self.decoder.max_positions())
         return limit
 
-    def build_drafter(self, verifier, need_scores: bool = False):
-        """The loop's drafter for this model: ``(drafter, description)``."""
+    def build_drafter(self, verifier, need_scores: bool = False, source: str = "--drafter-path"):
+        """The loop's drafter for this model: ``(drafter, description)``
+        (``source``: where the drafter came from, for messages)."""
         from ..generation.drafters import NATBlockDrafter
 
         drafter = NATBlockDrafter(self, verifier, with_scores=need_scores)

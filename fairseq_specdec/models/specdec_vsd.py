@@ -295,10 +295,12 @@ class SpecDecVSDModel(BaseFairseqModel):
             prev_output_tokens, block_mask = glance(first)
         return logits(prev_output_tokens, block_mask), {}
 
-    def build_drafter(self, verifier, need_scores: bool = False):
+    def build_drafter(self, verifier, need_scores: bool = False, source: str = "--drafter-path"):
+        """``(drafter, description)``; ``source`` names where the drafter came
+        from in the refusal of a drafter trained on another verifier."""
         from ..generation.drafters import VerifierStateDrafter
 
-        return VerifierStateDrafter(self, verifier, self.cfg.shortlist), (
+        return VerifierStateDrafter(self, verifier, self.cfg.shortlist, source), (
             f"specdec_vsd drafter reading the verifier's states (shortlist {self.cfg.shortlist or 'off'})"
         )
 

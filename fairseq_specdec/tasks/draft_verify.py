@@ -96,7 +96,11 @@ class DraftVerifyConfig(TranslationConfig):
     )
     specdec_stats: Optional[str] = field(
         default=None,
-        metadata={"help": "write per-sentence draft-verify statistics to this file (JSON lines)"},
+        metadata={
+            "help": "speculative decodings: write per-sentence statistics to this file (JSON lines: "
+            "id, length, iterations, tokens accepted per iteration, time); a run starts it anew, and "
+            "later generators of the same task (each translate() of the Python API) append to it"
+        },
     )
     adaptive_draft: bool = field(
         default=False,
@@ -158,6 +162,19 @@ class DraftVerifyTask(TranslationTask):
         get_decoding(cfg.decoding) if cfg.decoding != AUTOREGRESSIVE else None  # a clear error now
         # sentences the non-training batch iterators handed out, and decoded
         self.sentence_counter = SentenceCounter()
+        # --specdec-stats files this task's generators already wrote to
+        self._stats_files = set()
+
+    def stats_file_started(self, path: Optional[str]) -> bool:
+        """Whether an earlier generator of this task already started the
+        ``--specdec-stats`` file ``path`` (a later one appends: every
+        ``translate()`` of the Python API builds one); records it as started."""
+        if not path:
+            return False
+        key = os.path.realpath(path)
+        started = key in self._stats_files
+        self._stats_files.add(key)
+        return started
 
     @property
     def expected_sentences(self) -> int:
@@ -198,14 +215,23 @@ class DraftVerifyTask(TranslationTask):
         return model
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
-        if self.cfg.decoding == AUTOREGRESSIVE or getattr(args, "score_reference", False):
+        if getattr(args, "score_reference", False):
+            if any(getattr(m, "is_block_drafter", False) for m in models) or self.cfg.drafter_path:
+                raise ValueError(
+                    "--score-reference scores the references with the verifier alone (fairseq's "
+                    "scorer; a drafter cannot change a score): give only the verifier in --path, "
+                    "without --drafter-path"
+                )
+            return super().build_generator(
+                models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
+            )
+        if self.cfg.decoding == AUTOREGRESSIVE:
             if any(getattr(m, "is_block_drafter", False) for m in models):
                 raise ValueError(
                     "a drafter was given in --path but --decoding is "
                     "'autoregressive'; use --decoding draft-verify"
                 )
-            if not getattr(args, "score_reference", False):
-                self.check_no_speculative_options()
+            self.check_no_speculative_options()
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
@@ -224,6 +250,7 @@ class DraftVerifyTask(TranslationTask):
         ("block_size", None),
         ("verify_impl", "auto"),
         ("verify_gemm", "auto"),
+        ("specdec_stats", None),
     )
 
     def check_no_speculative_options(self) -> None:
