@@ -28,9 +28,13 @@
 #    training sentences, 56% of the distilled tokens); the cap keeps the
 #    beginning of such a loop and ends it;
 #  - the verifier trains alone with both cores (VERIFIER_THREADS=2: 1.6x the
-#    updates per minute of one thread, measured over 40 updates); the drafter
-#    and the blockwise heads (paper 004) then train at the same time, one core
-#    each;
+#    updates per minute of one thread, measured over 40 updates); the
+#    specdec_vsd drafter and the blockwise heads (paper 004) then train at the
+#    same time, one core each, and the paper's drafter last, alone on both
+#    cores (SOLO_THREADS).  Three trainings on two cores ran 0.25-0.67
+#    updates/s each and their 35-minute caps cut two of them short; two at a
+#    time keep each on its own core.  The caps (*_MAX_MINUTES) are a safety
+#    net only, well above the time each stage took on a 2-core AMD EPYC;
 #  - the benchmark times two decoders at once, one per core (BENCH_JOBS; a
 #    filler decoder keeps the other core busy for the last row, so every row
 #    sees the same load), and runs the relaxed grid at batch 1 only
@@ -43,9 +47,10 @@
 : "${THREADS:=1}"                     # torch threads per job that shares the machine
 : "${VERIFIER_THREADS:=2}"            # the verifier trains alone
 : "${VERIFIER_UPDATES:=1000}"         # verifier training budget (about 18 minutes on 2 threads)
-: "${VERIFIER_MAX_MINUTES:=40}"       # safety cap only: the log says when it cut training short
+: "${VERIFIER_MAX_MINUTES:=60}"       # safety cap only: the log says when it cut training short (1000 updates: 26 minutes, 2026-11-23)
+: "${SOLO_THREADS:=2}"                # threads of a training stage that runs alone (the paper's drafter)
 : "${DRAFTER_UPDATES:=400}"           # drafter training budget (about 15 minutes on 1 thread)
-: "${DRAFTER_MAX_MINUTES:=35}"
+: "${DRAFTER_MAX_MINUTES:=60}"
 : "${BLOCK_SIZE:=10}"
 : "${DISTILL_BEAM:=1}"            # 5 = the papers' teacher beam
 : "${DISTILL_GEN_ARGS:=--max-len-a 1.2 --max-len-b 10}"  # extra fairseq-generate options of distillation
@@ -55,7 +60,7 @@
 : "${BLOCKWISE_UPDATES:=1000}"      # blockwise heads (paper 004), beside the drafter: with --head-shortlist 2000, ~1 update/s on 1 thread
                                      # (session 6: 1000 updates in 18.5 min beside tests; the full softmax ran 0.13 updates/s, so the
                                      # recipe had stopped at 100 updates, validation head accuracy 33.0/18.8/16.3 %; 1000: 56.6/37.7/30.2 %)
-: "${BLOCKWISE_MAX_MINUTES:=$DRAFTER_MAX_MINUTES}"
+: "${BLOCKWISE_MAX_MINUTES:=90}"   # beside specdec_vsd: 1000 updates in 40 minutes (2026-11-23)
 
 VERIFIER_ARGS=(
   --task translation --arch transformer
@@ -99,7 +104,7 @@ fi
 # VSD_UPDATES=2000 is measurably better (README, session 5: validation block_acc
 # 31.7 -> 38.0, Tok. 1.97 -> 2.22, strict 1.43x -> 1.50x of --beam 1) for about
 # 17 more minutes of one core; the default keeps the demo's time
-: "${VSD_MAX_MINUTES:=$DRAFTER_MAX_MINUTES}"
+: "${VSD_MAX_MINUTES:=90}"         # beside the blockwise heads: 1000 updates in 38 minutes (2026-11-23)
 : "${VSD_CUTS:=2}"          # 4 cuts at --max-tokens 4096 cost 4x per update (0.07 vs 0.12 updates/s of the paper drafter, 3 trainings on 2 cores)
 VSD_ARGS=(
   --task draft_verify --arch specdec_vsd --criterion glat_block --block-size "$BLOCK_SIZE"

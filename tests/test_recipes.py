@@ -3,6 +3,7 @@ their --dry-run output: every stage is there, and every fairseq-train and
 fairseq-generate command parses with fairseq's own parsers, with the plugin
 registered. Fast: nothing is trained, decoded or downloaded."""
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -248,6 +249,7 @@ line=$(printf '%q ' "$name" "$@")
 exec 9>>"$RECORD"
 if command -v flock > /dev/null; then flock 9; fi
 printf '%s\n' "$line" >&9
+printf '%s %s\n' "${OMP_NUM_THREADS:-unset}" "$line" >> "$RECORD.threads"
 exec 9>&-
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
@@ -260,16 +262,17 @@ done
 case "$name" in
   fairseq-train) echo "epoch 001 | valid on 'valid' subset | loss 1.0 | num_updates 999999 | best_loss 1.0";;
   fairseq-validate) echo "epoch 001 | valid on 'valid' subset | loss 1.0 | block_acc 50.0 | num_updates 1";;
+  python) if [ "${1:-}" = -c ] && [[ "${2:-}" == *ctranslate2* ]]; then exit "${FAKE_CT2_MISSING:-0}"; fi;;
 esac
 '''
-MULTI30K_STAGES = ["verifier", "distill", "drafter+vsd+blockwise", "average", "benchmark"]
+MULTI30K_STAGES = ["verifier", "distill", "vsd+blockwise", "drafter", "average", "benchmark"]
 
 
 def run_multi30k(tmp_path, config=None, stages=MULTI30K_STAGES, **env_overrides):
     """scripts/run-multi30k.sh with every tool it calls replaced by a recorder;
     returns (process, [argv of each recorded command])."""
     bin_dir, data, out = tmp_path / "bin", tmp_path / "data", tmp_path / "run"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     for tool in ("fairseq-train", "fairseq-validate", "fairseq-generate", "fairseq-preprocess", "python"):
         (bin_dir / tool).write_text(FAKE_TOOL)
         (bin_dir / tool).chmod(0o755)
@@ -369,3 +372,40 @@ def test_multi30k_device_must_be_cpu_or_gpu(tmp_path):
     assert proc.returncode != 0
     assert "DEVICE must be cpu or gpu, got 'tpu'" in proc.stderr
     assert recorded == []
+
+
+def test_multi30k_default_stages_train_two_at_a_time(tmp_path):
+    """Three trainings side by side on two cores ran 0.25-0.67 updates/s and
+    the time caps cut two short: by default specdec_vsd and the blockwise
+    heads share the machine (one thread each), then the paper's drafter
+    trains alone on SOLO_THREADS; the caps are a safety net well above a
+    stage's measured time."""
+    script = open(os.path.join(ROOT, "scripts", "run-multi30k.sh")).read()
+    default = re.search(r"STAGES=\(prepare ([^)]*)\)", script).group(1).split()
+    assert default == MULTI30K_STAGES
+    proc, _ = run_multi30k(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    threads = {}
+    for line in (tmp_path / "commands.txt.threads").read_text().splitlines():
+        omp, argv = line.split(" ", 1)
+        argv = shlex.split(argv)
+        if argv[0] == "fairseq-train":
+            threads[os.path.basename(option(argv, "--save-dir"))] = omp
+    assert threads == {"verifier": "2", "vsd": "1", "blockwise": "1", "drafter": "2"}
+    config = open(os.path.join(ROOT, "configs", "multi30k-cpu.sh")).read()
+    caps = dict(re.findall(r'\$\{(\w+_MAX_MINUTES):=(\d+)\}', config))
+    assert all(int(minutes) >= 60 for minutes in caps.values()), caps
+
+
+def test_multi30k_benchmark_rows_ctranslate2_and_diagnostics(tmp_path):
+    """The vsd-fixed diagnostic row only with BENCH_DIAGNOSTIC=1; without the
+    ctranslate2 package the log says why there is no CTranslate2 row."""
+    proc, recorded = run_multi30k(tmp_path)
+    bench = benchmark_command(recorded)
+    assert not any(a.startswith("vsd-fixed=") for a in bench)
+    assert "ct2" in option(bench, "--rows").split(",")
+    proc, recorded = run_multi30k(tmp_path / "no-ct2", FAKE_CT2_MISSING="1")
+    assert "ct2" not in option(benchmark_command(recorded), "--rows").split(",")
+    assert "no CTranslate2 row: the ctranslate2 package is not installed" in proc.stdout
+    proc, recorded = run_multi30k(tmp_path / "diag", BENCH_DIAGNOSTIC="1")
+    assert any(a.startswith("vsd-fixed=") for a in benchmark_command(recorded))
