@@ -6,6 +6,8 @@ computes the function fairseq's own layer modules compute.
   the strict output equals fairseq's ``--beam 1``;
 * the cache positions past a row's prefix (scratch) never reach the output,
   whatever they hold;
+* under ``--verify-gemm rowgemm`` each ReLU layer runs as one call of the C++
+  extension (the fused layer), checked the same way;
 * pre-norm and GELU decoders are computed too; decoders it cannot compute
   (NormFormer) fall back under ``auto`` and are refused by name under ``lean``;
 * ``--verify-impl`` reaches the generator fairseq-generate builds.
@@ -126,6 +128,9 @@ def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, op
     H.skip_unless_gemm(gemm)
     paired = PairedVerifier(model, gemm)
     assert paired.lean.gemm == gemm
+    # under rowgemm each layer is one call of the C++ extension (attention,
+    # norms and residuals included): compared pass by pass here
+    assert paired.lean.fused == (gemm == "rowgemm")
     paired.lean.temperature = paired.ref.temperature = OPTION_SETS[opts].get("temperature", 1.0)
     drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
     got = run_generator(strict_generator(model, drafter, d, paired, opts=opts), model, H.batches(task, "test", bsz))
@@ -178,6 +183,8 @@ def test_pre_norm_and_gelu_decoders(toy_bin, tiny_drafter, extra, gemm):
     d = task.target_dictionary
     for bsz in (1, 5):
         paired = PairedVerifier(model, gemm)
+        # the fused C++ layer covers ReLU layers, pre- or post-norm; GELU runs as operations
+        assert paired.lean.fused == (gemm == "rowgemm" and "gelu" not in extra)
         gen = SpeculativeGenerator(model, NATBlockDrafter(tiny_drafter[0]), StrictAcceptance(), d, block_size=3, max_len_a=0, max_len_b=12)
         gen.verifier = paired
         ref = run_generator(seq_gen(model, d, dict(max_len_a=0, max_len_b=12, min_len=1)), model, H.batches(task, "test", bsz))

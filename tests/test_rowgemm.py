@@ -86,3 +86,53 @@ def test_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="activation must be one of"):
         rowgemm.PackedLinear(torch.randn(8, 4), activation="gelu")
     assert not rowgemm.applies_to(torch.randn(2, 2, dtype=torch.float16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_block_layer_computes_the_block_layers_operations(masked, monkeypatch):
+    """The drafter's block layer (pre-norm, bidirectional self-attention over
+    its own rows, encoder attention, ReLU feed-forward) as one call of the
+    extension gives what its PyTorch operations give, within float rounding.
+    The verifier's causal, cached variant is compared with fairseq's layers
+    pass by pass in tests/test_lean_verifier.py."""
+    from fairseq_specdec.models.specdec_vsd import BlockLayer
+
+    torch.manual_seed(0)
+    layer = BlockLayer(64, 4, 96, dropout=0.0).eval()
+    with torch.no_grad():
+        for ln in (layer.ln_self, layer.ln_cross, layer.ln_ffn):
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.5, 0.5)
+    x, enc = torch.randn(3, 5, 64), torch.randn(3, 7, 64)
+    mask = torch.ones(3, 1, 1, 7, dtype=torch.bool)
+    if masked:
+        mask[1, ..., 4:] = False  # padding of the second sentence's source
+    with torch.no_grad():
+        memory = layer.memory(enc)
+        assert layer._fused(x)
+        fused = layer(x, memory, mask)
+        monkeypatch.setattr(rowgemm, "fused_layer_available", lambda: False)
+        assert not layer._fused(x)
+        ops = layer(x, memory, mask)
+    assert torch.allclose(fused, ops, atol=2e-5, rtol=1e-4), (fused - ops).abs().max()
+    if masked:  # the mask matters: without it the second row's output changes
+        with torch.no_grad():
+            unmasked = layer(x, memory, torch.ones_like(mask))
+        assert not torch.allclose(unmasked[1], ops[1], atol=1e-3)
+
+
+@needs_kernel
+def test_fused_layer_refuses_a_cache_too_small_by_name():
+    from fairseq_specdec.models.specdec_vsd import BlockLayer
+
+    layer = BlockLayer(16, 2, 32, dropout=0.0).eval()
+    lin = [rowgemm.PackedLinear(m.weight, m.bias) for m in (layer.self_qkv, layer.self_out, layer.cross_q,
+                                                             layer.cross_out, layer.fc1, layer.fc2)]
+    products = [(p.packed, rowgemm.packed_bias(p)) for p in lin]
+    norms = [(ln.weight.detach(), ln.bias.detach()) for ln in (layer.ln_self, layer.ln_cross, layer.ln_ffn)]
+    cross = (torch.randn(2, 3, 8), torch.randn(2, 3, 8))
+    keys = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="needs cache positions up to 6, capacity 4"):
+        rowgemm.fused_layer(torch.randn(1, 3, 16), products, norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
+                            torch.tensor([3]), keys, keys.clone())

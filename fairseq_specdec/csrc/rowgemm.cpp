@@ -20,7 +20,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -127,57 +130,36 @@ torch::Tensor pack_bias(const torch::Tensor& bias) {
   return out;
 }
 
-// x: ... x K (float32, CPU); packed from pack(); bias from pack_bias() or
-// undefined; activation 0 = none, 1 = relu.  Returns ... x N.
-torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t out_features,
-                     const c10::optional<torch::Tensor>& bias, int64_t activation) {
-  TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
-  check_packed(packed, out_features);
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(), "rowgemm: x must be float32 on the CPU");
-  const int64_t K = packed.size(1);
-  TORCH_CHECK(x_in.size(-1) == K, "rowgemm: x has ", x_in.size(-1), " features, the weight ", K);
-  TORCH_CHECK(activation == 0 || activation == 1, "rowgemm: activation must be 0 (none) or 1 (relu)");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == packed.size(0) * kLanes && bias->is_contiguous(), "rowgemm: bias must come from pack_bias");
-    b = bias->data_ptr<float>();
-  }
-  auto out_shape = x_in.sizes().vec();
-  out_shape.back() = out_features;
-  const int64_t m = x_in.numel() / K;
-  auto y = torch::empty({m, out_features}, x_in.options());
-  if (m == 0 || out_features == 0) return y.view(out_shape);
-  if (K == 0) {
-    if (b != nullptr) y.copy_(bias->narrow(0, 0, out_features).expand({m, out_features}));
-    else y.zero_();
-    if (activation == 1) y.clamp_min_(0);
-    return y.view(out_shape);
-  }
+namespace {
+
+// y (m x N, row stride ldy) = x (m x K, contiguous rows) W^T + b through the
+// packed panels w ([P][K][8]); b: P*8 floats or null; act 0 = none, 1 = relu.
+void linear_raw(const float* xs, int64_t m, int64_t K, const float* w, int64_t P, const float* b, int act,
+                float* yd, int64_t N, int64_t ldy) {
 #ifdef ROWGEMM_X86
+  if (m == 0 || N == 0) return;
+  if (K == 0) {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t n = 0; n < N; ++n) {
+        float v = b != nullptr ? b[n] : 0.0f;
+        yd[i * ldy + n] = (act == 1 && v < 0.0f) ? 0.0f : v;
+      }
+    return;
+  }
   // rows interleaved per group of 4: xt[g][k][r]
   const int64_t groups = (m + kGroupRows - 1) / kGroupRows;
-  auto x2 = x_in.reshape({m, K});
-  auto xt = torch::empty({groups * K * kGroupRows}, x_in.options());
-  {
-    const auto xc = x2.contiguous();
-    const float* xs = xc.data_ptr<float>();
-    float* xd = xt.data_ptr<float>();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t rows = std::min<int64_t>(kGroupRows, m - g * kGroupRows);
-      float* dst = xd + g * K * kGroupRows;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* src = xs + (g * kGroupRows + r) * K;
-        for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = src[k];
-      }
+  std::vector<float> xt(static_cast<size_t>(groups * K * kGroupRows));
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = std::min<int64_t>(kGroupRows, m - g * kGroupRows);
+    float* dst = xt.data() + g * K * kGroupRows;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = xs + (g * kGroupRows + r) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = src[k];
     }
   }
-  const float* xd = xt.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  float* yd = y.data_ptr<float>();
-  const int64_t P = packed.size(0);
+  const float* xd = xt.data();
   const int64_t panel_stride = K * kLanes;
   const int64_t nblocks = (P + kBlockPanels - 1) / kBlockPanels;
-  const int act = static_cast<int>(activation);
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t p = blk * kBlockPanels;
@@ -188,18 +170,312 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, int
       for (int64_t g = 0; g < groups; ++g) {
         const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m - g * kGroupRows));
         const float* xg = xd + g * K * kGroupRows;
-        float* yg = yd + g * kGroupRows * out_features + col;
-        const int64_t ncols = out_features - col;
-        if (nv == 3) rows_block<3>(rows, xg, K, wb, panel_stride, bb, act, yg, out_features, ncols);
-        else if (nv == 2) rows_block<2>(rows, xg, K, wb, panel_stride, bb, act, yg, out_features, ncols);
-        else rows_block<1>(rows, xg, K, wb, panel_stride, bb, act, yg, out_features, ncols);
+        float* yg = yd + g * kGroupRows * ldy + col;
+        const int64_t ncols = N - col;
+        if (nv == 3) rows_block<3>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols);
+        else if (nv == 2) rows_block<2>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols);
+        else rows_block<1>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols);
       }
     }
   });
 #else
   TORCH_CHECK(false, "rowgemm: built without x86-64 support");
 #endif
+}
+
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, const torch::Tensor& packed) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->numel() == packed.size(0) * kLanes && bias->is_contiguous() &&
+                  bias->scalar_type() == torch::kFloat,
+              "rowgemm: bias must come from pack_bias");
+  return bias->data_ptr<float>();
+}
+
+}  // namespace
+
+// x: ... x K (float32, CPU); packed from pack(); bias from pack_bias() or
+// undefined; activation 0 = none, 1 = relu.  Returns ... x N.
+torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t out_features,
+                     const c10::optional<torch::Tensor>& bias, int64_t activation) {
+  TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
+  check_packed(packed, out_features);
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(), "rowgemm: x must be float32 on the CPU");
+  const int64_t K = packed.size(1);
+  TORCH_CHECK(x_in.size(-1) == K, "rowgemm: x has ", x_in.size(-1), " features, the weight ", K);
+  TORCH_CHECK(activation == 0 || activation == 1, "rowgemm: activation must be 0 (none) or 1 (relu)");
+  const float* b = bias_ptr(bias, packed);
+  auto out_shape = x_in.sizes().vec();
+  out_shape.back() = out_features;
+  int64_t mm = 1;  // rows: the product of the leading dimensions
+  for (int64_t dim = 0; dim + 1 < x_in.dim(); ++dim) mm *= x_in.size(dim);
+  auto y = torch::empty({mm, out_features}, x_in.options());
+  const auto xc = x_in.reshape({mm, K}).contiguous();
+  linear_raw(xc.data_ptr<float>(), mm, K, packed.data_ptr<float>(), packed.size(0), b, static_cast<int>(activation),
+             y.data_ptr<float>(), out_features, out_features);
   return y.view(out_shape);
+}
+
+namespace {
+
+// rows of x (m x C) normalized in place: (x - mean) / sqrt(var + eps) * w + b,
+// mean and biased variance over C accumulated in double
+void layer_norm_rows(float* x, int64_t m, int64_t C, const float* w, const float* b, double eps) {
+  for (int64_t i = 0; i < m; ++i) {
+    float* r = x + i * C;
+    double sum = 0.0;
+    for (int64_t c = 0; c < C; ++c) sum += r[c];
+    const double mean = sum / C;
+    double sq = 0.0;
+    for (int64_t c = 0; c < C; ++c) {
+      const double d = r[c] - mean;
+      sq += d * d;
+    }
+    const float rstd = static_cast<float>(1.0 / std::sqrt(sq / C + eps));
+    const float fmean = static_cast<float>(mean);
+    for (int64_t c = 0; c < C; ++c) r[c] = (r[c] - fmean) * rstd * w[c] + b[c];
+  }
+}
+
+#ifdef ROWGEMM_X86
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + kLanes <= d; t += kLanes) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + t), _mm256_loadu_ps(b + t), acc);
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, acc);
+  float s = 0.0f;
+  for (int l = 0; l < kLanes; ++l) s += lanes[l];
+  for (; t < d; ++t) s = std::fma(a[t], b[t], s);
+  return s;
+}
+#endif
+
+float dot(const float* a, const float* b, int64_t d) {
+#ifdef ROWGEMM_X86
+  return dot_avx2(a, b, d);
+#else
+  float s = 0.0f;
+  for (int64_t t = 0; t < d; ++t) s += a[t] * b[t];
+  return s;
+#endif
+}
+
+// softmax over scores[0, L) in place (max subtracted, float32)
+void softmax_inplace(float* scores, int64_t L) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; ++j) mx = std::max(mx, scores[j]);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < L; ++j) {
+    const float e = scores[j] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(scores[j] - mx);
+    scores[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t j = 0; j < L; ++j) scores[j] *= inv;
+}
+
+// out[t] = sum_j p[j] * v[j * stride + t], j in order, fused multiply-adds
+#ifdef ROWGEMM_X86
+__attribute__((target("avx2,fma"))) void weighted_values(const float* p, const float* v, int64_t L, int64_t stride,
+                                                         int64_t d, float* out) {
+  int64_t t = 0;
+  for (; t + kLanes <= d; t += kLanes) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + t), acc);
+    _mm256_storeu_ps(out + t, acc);
+  }
+  for (; t < d; ++t) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < L; ++j) acc = std::fma(p[j], v[j * stride + t], acc);
+    out[t] = acc;
+  }
+}
+#else
+void weighted_values(const float* p, const float* v, int64_t L, int64_t stride, int64_t d, float* out) {
+  for (int64_t t = 0; t < d; ++t) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < L; ++j) acc += p[j] * v[j * stride + t];
+    out[t] = acc;
+  }
+}
+#endif
+
+struct Packed {
+  const float* w;
+  int64_t P;
+  const float* b;
+  int64_t N;
+};
+
+Packed packed_of(const torch::Tensor& packed, const torch::Tensor& bias, int64_t out_features, int64_t K) {
+  check_packed(packed, out_features);
+  TORCH_CHECK(packed.size(1) == K, "decoder_layer: a packed weight has ", packed.size(1), " input features, expected ", K);
+  TORCH_CHECK(bias.numel() == packed.size(0) * kLanes && bias.is_contiguous() && bias.scalar_type() == torch::kFloat,
+              "decoder_layer: every bias must come from pack_bias");
+  return {packed.data_ptr<float>(), packed.size(0), bias.data_ptr<float>(), out_features};
+}
+
+void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous() && t.scalar_type() == torch::kFloat && t.device().is_cpu(),
+              "decoder_layer: ", what, " must be a contiguous float32 CPU vector of ", n);
+}
+
+}  // namespace
+
+// One Transformer decoder layer (ReLU FFN) over the m new tokens of every
+// row, in place of its PyTorch operations: a fairseq TransformerDecoderLayer
+// in the lean verify pass, or a drafter's block layer.  x: B x m x C.  With
+// keys/values (B x heads x capacity x d), self-attention writes the m keys
+// and values at positions [starts[b], starts[b] + m) and row b's input i
+// attends to positions 0 .. starts[b] + i; without them it is bidirectional
+// over the m rows of each b (no cache).  Encoder
+// attention reads cross_keys/cross_values ((B * Hc) x S x dc) with enc_pad
+// (B x S, true = padding; may be undefined).  Post-norm unless
+// normalize_before.  Returns the layer's output, B x m x C.
+torch::Tensor decoder_layer(
+    const torch::Tensor& x_in, const torch::Tensor& starts_t,
+    const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& sa_out_w, const torch::Tensor& sa_out_b,
+    const torch::Tensor& sa_ln_w, const torch::Tensor& sa_ln_b, const c10::optional<torch::Tensor>& keys_opt,
+    const c10::optional<torch::Tensor>& values_opt, int64_t heads, double scaling,
+    const torch::Tensor& ca_q_w, const torch::Tensor& ca_q_b, const torch::Tensor& ca_out_w, const torch::Tensor& ca_out_b,
+    const torch::Tensor& ca_ln_w, const torch::Tensor& ca_ln_b, const torch::Tensor& cross_keys,
+    const torch::Tensor& cross_values, const c10::optional<torch::Tensor>& enc_pad, int64_t c_heads, double c_scaling,
+    const torch::Tensor& fc1_w, const torch::Tensor& fc1_b, const torch::Tensor& fc2_w, const torch::Tensor& fc2_b,
+    const torch::Tensor& final_ln_w, const torch::Tensor& final_ln_b, bool normalize_before, double eps) {
+  TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(),
+              "decoder_layer: x must be a B x m x C float32 CPU tensor");
+  const int64_t B = x_in.size(0), m = x_in.size(1), C = x_in.size(2);
+  const bool cached = keys_opt.has_value() && keys_opt->defined();
+  const int64_t H = heads, d = C / std::max<int64_t>(heads, 1);
+  TORCH_CHECK(heads > 0 && H * d == C, "decoder_layer: ", heads, " heads do not divide the model dimension ", C);
+  int64_t cap = 0;
+  float* kc = nullptr;
+  float* vc = nullptr;
+  std::vector<int64_t> starts(static_cast<size_t>(B), 0);
+  if (cached) {
+    const auto& keys = *keys_opt;
+    TORCH_CHECK(values_opt.has_value() && values_opt->defined(), "decoder_layer: keys given without values");
+    const auto& values = *values_opt;
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == H && keys.size(3) == d && keys.is_contiguous() &&
+                    values.sizes() == keys.sizes() && values.is_contiguous() && keys.scalar_type() == torch::kFloat &&
+                    values.scalar_type() == torch::kFloat,
+                "decoder_layer: keys and values must be contiguous float32 B x heads x capacity x head_dim caches");
+    cap = keys.size(2);
+    kc = keys.data_ptr<float>();
+    vc = values.data_ptr<float>();
+    TORCH_CHECK(starts_t.dim() == 1 && starts_t.size(0) == B && starts_t.scalar_type() == torch::kLong &&
+                    starts_t.is_contiguous(),
+                "decoder_layer: starts must be a contiguous int64 vector of B");
+    const int64_t* st = starts_t.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      starts[b] = st[b];
+      TORCH_CHECK(starts[b] >= 0 && starts[b] + m <= cap, "decoder_layer: row ", b, " needs cache positions up to ",
+                  starts[b] + m, ", capacity ", cap);
+    }
+  }
+  TORCH_CHECK(cross_keys.dim() == 3 && cross_keys.size(0) == B * c_heads && cross_keys.is_contiguous() &&
+                  cross_values.sizes() == cross_keys.sizes() && cross_values.is_contiguous(),
+              "decoder_layer: cross keys/values must be contiguous (B * heads) x S x d");
+  const int64_t S = cross_keys.size(1), dc = cross_keys.size(2);
+  TORCH_CHECK(c_heads * dc == C, "decoder_layer: encoder attention heads x head_dim is not ", C);
+  const bool* pad = nullptr;
+  if (enc_pad.has_value() && enc_pad->defined()) {
+    TORCH_CHECK(enc_pad->dim() == 2 && enc_pad->size(0) == B && enc_pad->size(1) == S && enc_pad->is_contiguous() &&
+                    enc_pad->scalar_type() == torch::kBool,
+                "decoder_layer: enc_pad must be a contiguous bool B x S tensor");
+    pad = enc_pad->data_ptr<bool>();
+  }
+  const Packed qkv = packed_of(qkv_w, qkv_b, 3 * C, C), sa_out = packed_of(sa_out_w, sa_out_b, C, C);
+  const Packed ca_q = packed_of(ca_q_w, ca_q_b, C, C), ca_out = packed_of(ca_out_w, ca_out_b, C, C);
+  const int64_t F = fc2_w.size(1);
+  const Packed fc1 = packed_of(fc1_w, fc1_b, F, C), fc2 = packed_of(fc2_w, fc2_b, C, F);
+  check_vector(sa_ln_w, C, "sa_ln_w"); check_vector(sa_ln_b, C, "sa_ln_b");
+  check_vector(ca_ln_w, C, "ca_ln_w"); check_vector(ca_ln_b, C, "ca_ln_b");
+  check_vector(final_ln_w, C, "final_ln_w"); check_vector(final_ln_b, C, "final_ln_b");
+
+  const int64_t rows = B * m;
+  auto out = x_in.contiguous().clone();  // the residual stream, B*m x C
+  float* x = out.data_ptr<float>();
+  std::vector<float> h(static_cast<size_t>(rows * C)), tmp(static_cast<size_t>(rows * std::max<int64_t>(3 * C, F)));
+  std::vector<float> attn(static_cast<size_t>(rows * C)), q(static_cast<size_t>(std::max(d, dc)));
+  int64_t longest = S;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, starts[b] + m);
+  std::vector<float> scores(static_cast<size_t>(longest));
+  const float* ck = cross_keys.data_ptr<float>();
+  const float* cv = cross_values.data_ptr<float>();
+
+  auto sublayer_input = [&](const float* w, const float* b) -> const float* {
+    if (!normalize_before) return x;
+    std::memcpy(h.data(), x, sizeof(float) * rows * C);
+    layer_norm_rows(h.data(), rows, C, w, b, eps);
+    return h.data();
+  };
+  auto finish = [&](const float* w, const float* b) {  // x += tmp (the sublayer output); post-norm
+    for (int64_t i = 0; i < rows * C; ++i) x[i] += tmp[i];
+    if (!normalize_before) layer_norm_rows(x, rows, C, w, b, eps);
+  };
+
+  // self-attention
+  const float* in = sublayer_input(sa_ln_w.data_ptr<float>(), sa_ln_b.data_ptr<float>());
+  linear_raw(in, rows, C, qkv.w, qkv.P, qkv.b, 0, tmp.data(), 3 * C, 3 * C);
+  if (cached)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < m; ++i) {
+        const float* r = tmp.data() + (b * m + i) * 3 * C;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const int64_t at = ((b * H + hh) * cap + starts[b] + i) * d;
+          std::memcpy(kc + at, r + C + hh * d, sizeof(float) * d);
+          std::memcpy(vc + at, r + 2 * C + hh * d, sizeof(float) * d);
+        }
+      }
+  const float fscaling = static_cast<float>(scaling);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hh = 0; hh < H; ++hh) {
+      // cached: causal over the cache; otherwise bidirectional over the pass's own m rows
+      const float* kh = cached ? kc + (b * H + hh) * cap * d : tmp.data() + b * m * 3 * C + C + hh * d;
+      const float* vh = cached ? vc + (b * H + hh) * cap * d : tmp.data() + b * m * 3 * C + 2 * C + hh * d;
+      const int64_t stride = cached ? d : 3 * C;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* r = tmp.data() + (b * m + i) * 3 * C + hh * d;
+        for (int64_t t = 0; t < d; ++t) q[t] = r[t] * fscaling;
+        const int64_t L = cached ? starts[b] + i + 1 : m;
+        for (int64_t j = 0; j < L; ++j) scores[j] = dot(q.data(), kh + j * stride, d);
+        softmax_inplace(scores.data(), L);
+        weighted_values(scores.data(), vh, L, stride, d, attn.data() + (b * m + i) * C + hh * d);
+      }
+    }
+  linear_raw(attn.data(), rows, C, sa_out.w, sa_out.P, sa_out.b, 0, tmp.data(), C, C);
+  finish(sa_ln_w.data_ptr<float>(), sa_ln_b.data_ptr<float>());
+
+  // encoder attention
+  in = sublayer_input(ca_ln_w.data_ptr<float>(), ca_ln_b.data_ptr<float>());
+  linear_raw(in, rows, C, ca_q.w, ca_q.P, ca_q.b, 0, tmp.data(), C, C);
+  const float fc_scaling = static_cast<float>(c_scaling);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hh = 0; hh < c_heads; ++hh) {
+      const float* kh = ck + (b * c_heads + hh) * S * dc;
+      const float* vh = cv + (b * c_heads + hh) * S * dc;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* r = tmp.data() + (b * m + i) * C + hh * dc;
+        for (int64_t t = 0; t < dc; ++t) q[t] = r[t] * fc_scaling;
+        for (int64_t j = 0; j < S; ++j)
+          scores[j] = (pad != nullptr && pad[b * S + j]) ? ninf : dot(q.data(), kh + j * dc, dc);
+        softmax_inplace(scores.data(), S);
+        weighted_values(scores.data(), vh, S, dc, dc, attn.data() + (b * m + i) * C + hh * dc);
+      }
+    }
+  linear_raw(attn.data(), rows, C, ca_out.w, ca_out.P, ca_out.b, 0, tmp.data(), C, C);
+  finish(ca_ln_w.data_ptr<float>(), ca_ln_b.data_ptr<float>());
+
+  // feed-forward, ReLU fused into the first product
+  in = sublayer_input(final_ln_w.data_ptr<float>(), final_ln_b.data_ptr<float>());
+  std::vector<float> hidden(static_cast<size_t>(rows * F));
+  linear_raw(in, rows, C, fc1.w, fc1.P, fc1.b, 1, hidden.data(), F, F);
+  linear_raw(hidden.data(), rows, F, fc2.w, fc2.P, fc2.b, 0, tmp.data(), C, C);
+  finish(final_ln_w.data_ptr<float>(), final_ln_b.data_ptr<float>());
+  return out.view({B, m, C});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -209,4 +485,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bias", &pack_bias, "zero-pad a bias to the packed weight's columns");
   m.def("linear", &linear, "x W^T + b through a packed weight", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("out_features"), pybind11::arg("bias") = c10::nullopt, pybind11::arg("activation") = 0);
+  m.def("decoder_layer", &decoder_layer,
+        "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
 }

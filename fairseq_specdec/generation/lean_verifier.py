@@ -154,6 +154,24 @@ class _Layer:
         self.activation = None if relu else layer.activation_fn
         self.fc2 = linear(layer.fc2)
         self.final_ln = layer.final_layer_norm
+        # the whole layer in one call of the extension, where its products are
+        # rowgemm's and its feed-forward is ReLU (see rowgemm.FusedDecoderLayer)
+        self.fused = None
+        if gemm == "rowgemm" and fusable_layer(layer):
+            self.fused = rowgemm.FusedDecoderLayer(layer, self.qkv, self.sa_out, self.ca_q, self.ca_out, self.fc1, self.fc2)
+
+
+def fusable_layer(layer) -> bool:
+    """Whether a (lean-supported) decoder layer runs as one call of the C++
+    extension: ReLU feed-forward, affine layer norms with one epsilon, and an
+    extension built with the fused layer."""
+    norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+    return (
+        rowgemm.fused_layer_available()
+        and layer.activation_fn is F.relu
+        and all(isinstance(n, torch.nn.LayerNorm) and n.elementwise_affine for n in norms)
+        and len({n.eps for n in norms}) == 1
+    )
 
 
 class LeanVerifier(CachedVerifier):
@@ -190,6 +208,9 @@ class LeanVerifier(CachedVerifier):
         self.cross: Optional[List[tuple]] = None
         self.enc_mask: Optional[Tensor] = None
         self._bands = {}  # m -> causal mask band (see _causal_mask)
+        #: run the fused C++ layers where they apply (tests switch it off to
+        #: compare with the layers' operations)
+        self.use_fused = True
 
     def _parameters_key(self) -> tuple:
         """Fingerprints of the weights the lean pass lays out (an optimizer's
@@ -216,8 +237,16 @@ class LeanVerifier(CachedVerifier):
         self.cross = None
         self.enc_mask = None
 
+    @property
+    def fused(self) -> bool:
+        """Whether every layer runs as one call of the C++ extension
+        (:class:`~fairseq_specdec.models.rowgemm.FusedDecoderLayer`): rowgemm
+        products and layers :func:`fusable_layer` accepts."""
+        return self.gemm == "rowgemm" and all(fusable_layer(layer) for layer in self.decoder.layers)
+
     def describe(self) -> str:
-        return f"{self.impl} ({self.gemm} products)"
+        fused = ", fused C++ layers" if self.fused else ""
+        return f"{self.impl} ({self.gemm} products{fused})"
 
     def _logits(self, x: Tensor) -> Tensor:
         if self.output is None:
@@ -255,7 +284,7 @@ class LeanVerifier(CachedVerifier):
                 shape = (b * lw.c_heads, s, lw.c_head_dim)
                 kv = lw.ca_kv(enc).view(s, b, 2, lw.c_heads, lw.c_head_dim)
                 self.cross.append(tuple(
-                    kv[:, :, j].permute(1, 2, 0, 3).reshape(shape) for j in range(2)
+                    kv[:, :, j].permute(1, 2, 0, 3).reshape(shape).contiguous() for j in range(2)
                 ))
         capacity = self.keys[0].size(2) if self.keys else 0
         if width > capacity:
@@ -279,6 +308,13 @@ class LeanVerifier(CachedVerifier):
         uniform = all(n == start for n in lengths_host)
         width = max(lengths_host) + m
         self._prepare(state, width)
+        if self.use_fused and all(lw.fused is not None for lw in self.layers):
+            starts = torch.tensor(lengths_host, dtype=torch.long)
+            pad = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
+            x = x.float().contiguous()
+            for i, lw in enumerate(self.layers):
+                x = lw.fused(x, starts, self.keys[i], self.values[i], self.cross[i], pad)
+            return self._finish(x, needed)
         # which cache positions each new token sees: a row's own prefix and
         # its inputs up to itself (additive mask, shared by every layer)
         mask = None

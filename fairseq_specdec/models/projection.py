@@ -133,6 +133,18 @@ def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     return transposed_linear(x, cache.get(module.weight), module.bias)
 
 
+def packed_linear(module: torch.nn.Linear):
+    """The :class:`~fairseq_specdec.models.rowgemm.PackedLinear` of ``module``
+    that :func:`cached_linear` computes with (the same cached layout, rebuilt
+    when the weight changes); None where the kernel does not apply."""
+    if not rowgemm.applies_to(module.weight):
+        return None
+    cache = module.__dict__.get("_specdec_packed")
+    if cache is None:
+        cache = module.__dict__["_specdec_packed"] = DerivedWeight(rowgemm.PackedLinear)
+    return cache.get(module.weight, module.bias)
+
+
 def transposed_linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)`` through ``weight_t = weight.t().contiguous()``
     (``C_in x C_out``), for inputs of any leading shape."""

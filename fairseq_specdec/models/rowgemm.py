@@ -74,3 +74,75 @@ class PackedLinear:
 
     def __call__(self, x: Tensor) -> Tensor:
         return _ext.linear(x, self.packed, self.out_features, self.bias, self.activation)
+
+
+def packed_bias(linear: PackedLinear) -> Tensor:
+    """The packed bias of ``linear`` (zeros where it has none)."""
+    if linear.bias is not None:
+        return linear.bias
+    return _ext.pack_bias(torch.zeros(linear.out_features, dtype=torch.float32))
+
+
+def fused_layer_available() -> bool:
+    """Whether the extension has the fused decoder layer (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "decoder_layer")
+
+
+class FusedDecoderLayer:
+    """One fairseq Transformer decoder layer (ReLU feed-forward) over a verify
+    pass's new tokens in one call of the extension: the products through the
+    packed weights, attention over the KV cache and the encoder output, the
+    residuals and layer norms in C++ (``decoder_layer`` in
+    ``csrc/rowgemm.cpp``).  The same function as the layer's operations:
+    query scaled after its projection, float32 softmax (max subtracted),
+    post- or pre-norm as the layer says; layer-norm statistics are summed in
+    double, attention dot products in 8-lane float32 partial sums, so the
+    last bits may differ from torch's operations (exactness is tested as for
+    the products).
+
+    ``qkv``, ``sa_out``, ``ca_q``, ``ca_out``, ``fc1`` (ReLU) and ``fc2`` are
+    :class:`PackedLinear` of the layer's weights; the layer norms are read
+    from ``layer``'s modules at construction (a snapshot, like the packs)."""
+
+    def __init__(self, layer, qkv, sa_out, ca_q, ca_out, fc1, fc2):
+        sa, ca = layer.self_attn, layer.encoder_attn
+        self.products = [(p.packed, packed_bias(p)) for p in (qkv, sa_out, ca_q, ca_out, fc1, fc2)]
+        norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
+        self.norms = [(n.weight.detach().float().contiguous(), n.bias.detach().float().contiguous()) for n in norms]
+        self.eps = float(norms[0].eps)
+        self.scaling, self.c_scaling, self.c_heads = float(sa.scaling), float(ca.scaling), int(ca.num_heads)
+        self.heads = int(sa.num_heads)
+        self.normalize_before = bool(layer.normalize_before)
+
+    def __call__(self, x: Tensor, starts: Tensor, keys: Tensor, values: Tensor, cross: tuple,
+                 enc_pad: Optional[Tensor]) -> Tensor:
+        """``x``: B x m x C; ``starts`` (B, int64): where each row's new
+        tokens go in ``keys``/``values`` (B x heads x capacity x d, written in
+        place); ``cross``: the encoder attention's (B * heads) x S x d keys
+        and values; ``enc_pad``: B x S, True at padding (or None)."""
+        return fused_layer(x, self.products, self.norms, self.eps, self.heads, self.scaling, self.c_heads,
+                           self.c_scaling, self.normalize_before, cross, enc_pad, starts, keys, values)
+
+
+def fused_layer(x: Tensor, products, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
+                normalize_before: bool, cross: tuple, enc_pad: Optional[Tensor], starts: Optional[Tensor] = None,
+                keys: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
+    """One call of the extension's ``decoder_layer``: ``products`` are six
+    (packed weight, packed bias) pairs (self-attention QKV and output,
+    encoder-attention query and output, the two feed-forward products; the
+    first feed-forward product is followed by ReLU), ``norms`` three (weight,
+    bias) pairs.  With ``keys``/``values`` (and ``starts``) self-attention is
+    causal over that cache (written in place); without, bidirectional over
+    the rows of ``x`` (B x m x C)."""
+    (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = products
+    (sl_w, sl_b), (cl_w, cl_b), (fl_w, fl_b) = norms
+    if starts is None:
+        starts = _NO_STARTS
+    return _ext.decoder_layer(
+        x.contiguous(), starts, qkv_w, qkv_b, so_w, so_b, sl_w, sl_b, keys, values, heads, scaling,
+        cq_w, cq_b, co_w, co_b, cl_w, cl_b, cross[0], cross[1], enc_pad, c_heads, c_scaling,
+        f1_w, f1_b, f2_w, f2_b, fl_w, fl_b, normalize_before, eps,
+    )
+
+
+_NO_STARTS = torch.zeros(0, dtype=torch.long)

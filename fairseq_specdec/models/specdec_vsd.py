@@ -3,7 +3,7 @@
 Still a non-autoregressive block drafter in the papers' sense (k slots
 filled in one pass, bidirectional among themselves, a GLAT soft copy of the
 source in each slot, trained with ``glat_block``), but it computes nothing
-the verifier has already computed (paper 000's future work, Table 18):
+the verifier has already computed (future work in the SpecDec ICLR 2023 submission, Table 18):
 
 * **no encoder**: it reads the verifier's encoder output (its cross-attention
   keys/values are projected once per sentence);
@@ -42,7 +42,8 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
 from fairseq.modules import LayerNorm
 
-from .projection import cached_linear
+from . import rowgemm
+from .projection import cached_linear, packed_linear
 from .specdec_nat import dictionary_fingerprint, mask_index
 
 logger = logging.getLogger(__name__)
@@ -100,10 +101,34 @@ class BlockLayer(nn.Module):
         """Cross-attention keys and values of an encoder output (N x S x C):
         computed once per sentence."""
         k, v = cached_linear(self.cross_kv, enc).chunk(2, dim=-1)
-        return self._heads(k), self._heads(v)
+        return self._heads(k).contiguous(), self._heads(v).contiguous()
+
+    def _fused(self, x: Tensor) -> bool:
+        """Whether this pass runs as one call of the C++ extension
+        (:func:`fairseq_specdec.models.rowgemm.fused_layer`): inference in
+        float32 on a CPU where the kernel runs.  Rounds a little differently
+        from the operations below: drafts may change, never a strict output."""
+        return (
+            not self.training
+            and not torch.is_grad_enabled()
+            and x.dtype == torch.float32
+            and rowgemm.fused_layer_available()
+            and rowgemm.applies_to(self.self_qkv.weight)
+            and all(isinstance(n, nn.LayerNorm) for n in (self.ln_self, self.ln_cross, self.ln_ffn))
+        )
 
     def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor]) -> Tensor:
         n, length, c = x.shape
+        if self._fused(x):
+            d = c // self.heads
+            linears = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
+            products = [(p.packed, rowgemm.packed_bias(p)) for p in map(packed_linear, linears)]
+            norms = [(ln.weight.detach(), ln.bias.detach()) for ln in (self.ln_self, self.ln_cross, self.ln_ffn)]
+            cross = tuple(t.reshape(n * self.heads, -1, d) for t in memory)
+            pad = ~memory_mask.reshape(n, -1) if memory_mask is not None else None
+            scale = 1.0 / math.sqrt(d)  # scaled_dot_product_attention's default
+            return rowgemm.fused_layer(x, products, norms, float(self.ln_self.eps), self.heads, scale, self.heads,
+                                       scale, True, cross, pad)
         p = self.dropout if self.training else 0.0
         q, k, v = cached_linear(self.self_qkv, self.ln_self(x)).chunk(3, dim=-1)
         a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v), dropout_p=p)
