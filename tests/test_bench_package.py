@@ -398,3 +398,13 @@ def test_table_reports_rows_against_loop_greedy_when_it_ran():
     assert "| 1.33x | 1.00x | | 1.00 |" in lines[7]  # batch 32 ran no loop-greedy row
     without = [dict(r, speedup_vs_loop_greedy=None) for r in rows]
     assert "vs loop-greedy" not in cli.markdown_table(without).splitlines()[0]
+
+
+def test_recorded_command_names_the_checkouts_paths_not_the_machines(tmp_path):
+    """Result files record the command with paths under the working directory
+    relative to it (a LABEL=PATH argument too); other paths stay as given."""
+    from fairseq_specdec.bench.commands import recorded_command
+
+    cmd = recorded_command(["--data", f"{tmp_path}/runs/bin", "--drafter", f"vsd={tmp_path}/runs/vsd.pt",
+                            "--raw-ref", "/elsewhere/ref.gz"], cwd=str(tmp_path))
+    assert cmd.split(" ", 1)[1] == "--data runs/bin --drafter vsd=runs/vsd.pt --raw-ref /elsewhere/ref.gz"

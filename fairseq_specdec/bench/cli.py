@@ -41,6 +41,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from .commands import recorded_command
 from . import ct2, workers
 from .plots import make_plots
 from .scoring import read_lines, score
@@ -316,7 +317,7 @@ def main(argv=None):
     compare_with_beams(rows)
 
     results = {
-        "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "command": recorded_command(argv),
         "device": device,
         "precision": "float16" if args.fp16 else "float32",
         "threads": args.threads,

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .commands import recorded_command
 from . import workers
 from .specs import DrafterArg, RowSpecs
 
@@ -284,7 +285,7 @@ def main(argv=None) -> Dict:
                             r["iterations"], all(r["tokens"][k] == ref["tokens"][k] for k in ref["tokens"])))
     table = markdown(points, beam1_ms)
     out = {
-        "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+        "command": recorded_command(argv),
         "sentences": ref["sentences"], "threads": args.threads, "jobs": args.jobs,
         "beam1_ms_per_sent": beam1_ms, "points": [asdict(p) for p in points],
         "plot": plot(points, beam1_ms, os.path.join(args.out, "learning-curve.png")),
