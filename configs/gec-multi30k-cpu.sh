@@ -1,4 +1,4 @@
-# GEC-style demo for input-guided aggressive decoding (paper 003), CPU-sized
+# GEC-style demo for input-guided aggressive decoding (Ge et al. 2022), CPU-sized
 # (NOT a paper setting): Multi30k English sentences corrupted with the noise
 # model of scripts/make-gec-noise.py (source) -> the original sentences
 # (target).  A 3+3-layer d256 transformer corrector, one joined dictionary

@@ -19,17 +19,17 @@
 #    (DISTILL_BEAM=1; the papers use beam 5 and then retrain the verifier on
 #    the distilled data).  With no retraining, the verifier's own greedy output
 #    is exactly what strict verification accepts, so it is the drafter's best
-#    target; it is also 3x cheaper to decode on a CPU.  Session-1 measurement:
+#    target; it is also 3x cheaper to decode on a CPU.  Measured on the first recipe run (2026-11-22):
 #    continuing the drafter on greedy instead of beam-5 distillation raised its
 #    block accuracy (greedy validation set) from 30.8 to 35-36 in 20 minutes.
 #  - distillation caps the teacher's output at 1.2 x source + 10 tokens
 #    (DISTILL_GEN_ARGS): a CPU-trained verifier loops on some sentences until
-#    fairseq's 200-token limit (measured on the session-2 demo: 10% of the
+#    fairseq's 200-token limit (measured on the second recipe run, 2026-11-22: 10% of the
 #    training sentences, 56% of the distilled tokens); the cap keeps the
 #    beginning of such a loop and ends it;
 #  - the verifier trains alone with both cores (VERIFIER_THREADS=2: 1.6x the
 #    updates per minute of one thread, measured over 40 updates); the
-#    specdec_vsd drafter and the blockwise heads (paper 004) then train at the
+#    specdec_vsd drafter and the blockwise heads (Stern et al. 2018) then train at the
 #    same time, one core each, and the paper's drafter last, alone on both
 #    cores (SOLO_THREADS).  Three trainings on two cores ran 0.25-0.67
 #    updates/s each and their 35-minute caps cut two of them short; two at a
@@ -57,8 +57,8 @@
 : "${BENCH_JOBS:=2}"                  # decoders timed at once (scripts/benchmark.py --jobs)
 : "${BENCH_RELAXED_BATCH_SIZES:=1}"   # batch sizes of the relaxed grid
 : "${BENCH_RELAXED:=3:1,5:3}"          # beta:tau settings of the relaxed grid (every drafter)
-: "${BLOCKWISE_UPDATES:=1000}"      # blockwise heads (paper 004), beside the drafter: with --head-shortlist 2000, ~1 update/s on 1 thread
-                                     # (session 6: 1000 updates in 18.5 min beside tests; the full softmax ran 0.13 updates/s, so the
+: "${BLOCKWISE_UPDATES:=1000}"      # blockwise heads (Stern et al. 2018), beside the drafter: with --head-shortlist 2000, ~1 update/s on 1 thread
+                                     # (commit 0c284e8: 1000 updates in 18.5 min beside tests; the full softmax ran 0.13 updates/s, so the
                                      # recipe had stopped at 100 updates, validation head accuracy 33.0/18.8/16.3 %; 1000: 56.6/37.7/30.2 %)
 : "${BLOCKWISE_MAX_MINUTES:=90}"   # beside specdec_vsd: 1000 updates in 40 minutes (2026-11-23)
 
@@ -101,7 +101,7 @@ fi
 # teacher-forced states over the greedy distillation, VSD_CUTS blocks per
 # sentence from one verifier pass (stage `vsd`, beside `drafter` and `blockwise`).
 : "${VSD_UPDATES:=1000}"       # an update costs about 40% of the paper drafter's (0.55 vs 0.12-0.25 updates/s side by side), so 1000 fit the drafter stage's time
-# VSD_UPDATES=2000 is measurably better (README, session 5: validation block_acc
+# VSD_UPDATES=2000 is measurably better (docs/results, commit 065e16c: validation block_acc
 # 31.7 -> 38.0, Tok. 1.97 -> 2.22, strict 1.43x -> 1.50x of --beam 1) for about
 # 17 more minutes of one core; the default keeps the demo's time
 : "${VSD_MAX_MINUTES:=90}"         # beside the blockwise heads: 1000 updates in 38 minutes (2026-11-23)
@@ -116,7 +116,7 @@ VSD_ARGS=(
   --save-interval-updates 100 --keep-interval-updates 10   # update-numbered checkpoints: the learning curve
 )
 
-# Blockwise parallel decoding (paper 004): k-1 = 3 heads on the frozen verifier,
+# Blockwise parallel decoding (Stern et al. 2018): k-1 = 3 heads on the frozen verifier,
 # trained on the distilled data (stage `blockwise`, run beside `drafter`).
 BLOCKWISE_ARGS=(
   --task draft_verify --arch blockwise_transformer --blockwise-k 4

@@ -28,7 +28,7 @@
 #    scripts/learning-curve.py;
 #  - the benchmark: --device auto (cuda when torch sees a GPU), one decoder at
 #    a time (BENCH_JOBS=1: two decoders on one GPU would time each other),
-#    batch sizes 1, 8 and 64 (issue 15), the relaxed grid at batch 1.  Decoding
+#    batch sizes 1, 8 and 64, the relaxed grid at batch 1.  Decoding
 #    stays in float32; BENCH_ARGS=--fp16 decodes every fairseq row in float16
 #    (strict draft-verify is then compared with --beam 1 in float16; see the
 #    README's notes on half precision).

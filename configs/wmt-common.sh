@@ -31,7 +31,7 @@ DRAFTER_UPDATE_FREQ=$(update_freq_for "$DRAFTER_TOKENS_PER_UPDATE" "$DRAFTER_MAX
 : "${DISTILL_BEAM:=5}"
 : "${DISTILL_MAX_TOKENS:=8192}"
 : "${EVAL_BATCH_SIZE:=1}"             # the papers time decoding at batch 1
-# relaxed verification settings evaluated besides strict (beta tau): paper 002's
+# relaxed verification settings evaluated besides strict (beta tau): Xia et al. 2023's
 # choice (3, 1) and the high-speed one (5, 3)
 RELAXED_SETTINGS=("3 1" "5 3")
 

@@ -1,6 +1,6 @@
-# Paper 002 Table 1, WMT14 EN-DE: Spec-Drafter 12+2 (k=25) with a
+# Xia et al. 2023, Table 1, WMT14 EN-DE: Spec-Drafter 12+2 (k=25) with a
 # Transformer-base verifier. Both are trained on the distillation of a
-# Transformer-big teacher (papers 000-002).
+# Transformer-big teacher (the SpecDec papers).
 # Sourced by scripts/run-wmt.sh. Override any `: "${VAR:=...}"` variable from the environment,
 # e.g. NUM_GPUS=4 scripts/run-wmt.sh configs/wmt14-en-de-base.sh
 #
@@ -8,14 +8,14 @@
 #  - data: WMT14 EN-DE (europarl v7 + commoncrawl + news-commentary v9, 4.5M
 #    pairs), newstest2013 valid, newstest2014 (full, 3003 sentences) test, as
 #    in fairseq's examples/translation/prepare-wmt14en2de.sh. The papers use
-#    Mask-Predict's copy of this data, which has 32K joint BPE (papers 000-002:
+#    Mask-Predict's copy of this data, which has 32K joint BPE (the SpecDec papers:
 #    "32K BPE"). So BPE_MERGES is 32000 here, not fairseq's 40000.
-#  - drafter: reference notes section 1 and paper 000 Table 7 (right) / the
+#  - drafter: reference notes section 1 and the SpecDec ICLR 2023 submission's Table 7 (right) / the
 #    SpecDec README: Adam (0.9, 0.999) eps 1e-6, weight decay 0.01, clip-norm 5,
 #    lr 5e-4, inverse_sqrt with 10k warmup from 1e-7, label smoothing 0.1,
 #    dropout 0.1, fp16, k=25, 300k updates of ~128K tokens (8 GPUs x 4096 x 4),
 #    last 10 checkpoints averaged ("avg10").
-#  - verifier: paper 000 Table 7 (left) and the SpecDec README: transformer-base,
+#  - verifier: the SpecDec ICLR 2023 submission's Table 7 (left) and the SpecDec README: transformer-base,
 #    lr 1e-3, 4k warmup from 1e-7, Adam (0.9, 0.98) (the README; the paper's
 #    table says 0.99), weight decay 1e-5, clip-norm 3, label smoothing 0.1,
 #    100k updates, averaged over the last 10 checkpoints. The table's batch is

@@ -1,6 +1,6 @@
-# Paper 002 Table 1, WMT16 EN-RO: Spec-Drafter 12+2 (k=25) with a
+# Xia et al. 2023, Table 1, WMT16 EN-RO: Spec-Drafter 12+2 (k=25) with a
 # Transformer-base verifier. Both are trained on the distillation of a
-# Transformer-base teacher (paper 000: "Transformer-base for WMT16 EN-RO").
+# Transformer-base teacher (the SpecDec ICLR 2023 submission: "Transformer-base for WMT16 EN-RO").
 # Sourced by scripts/run-wmt.sh. Override any `: "${VAR:=...}"` variable from the environment,
 # e.g. NUM_GPUS=4 scripts/run-wmt.sh configs/wmt16-en-ro-base.sh
 #
@@ -17,7 +17,7 @@
 #    eps 1e-6, weight decay 0.01, clip-norm 5, lr 1e-3, inverse_sqrt with 4k
 #    warmup from 1e-7, label smoothing 0.1, dropout 0.2, fp16, k=25, 50k
 #    updates of ~64K tokens (8 GPUs x 4096 x 2), last 10 checkpoints averaged.
-#  - verifier: paper 000 Table 7 (left) and the SpecDec README: transformer-base,
+#  - verifier: the SpecDec ICLR 2023 submission's Table 7 (left) and the SpecDec README: transformer-base,
 #    lr 1e-3, 4k warmup, Adam (0.9, 0.98), weight decay 1e-5, clip-norm 3,
 #    dropout 0.3 (from the table's grid 0.1/0.2/0.3; EN-RO is small), 100k
 #    updates. It uses the drafter's 64K tokens per update (the table's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sequence-level knowledge distillation (Kim & Rush 2016), as papers 000-002 use:
+# Sequence-level knowledge distillation (Kim & Rush 2016), as the SpecDec papers use:
 # decode the training (and validation) source with the teacher through
 # fairseq-generate, then binarize the (source, teacher output) pairs with the
 # teacher's dictionary.

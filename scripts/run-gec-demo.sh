@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GEC-style demo of input-guided aggressive decoding (paper 003) on Multi30k:
+# GEC-style demo of input-guided aggressive decoding (Ge et al. 2022) on Multi30k:
 #   noise -> BPE -> binarize -> train a corrector -> benchmark input-guided
 #   decoding against fairseq's greedy and beam 5 (identical to greedy?)
 # The held-out split is Multi30k test_2016_flickr, corrupted with its own seed.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Multi30k EN-DE CPU recipe, end to end (what `make demo` runs):
 #   prepare -> verifier (teacher) -> distill -> specdec_vsd (reads the
-#   verifier's states; the default drafter) and blockwise heads (paper 004)
+#   verifier's states; the default drafter) and blockwise heads (Stern et al. 2018)
 #   side by side, one core each -> the paper's Spec-Drafter (init from
 #   verifier, glat_block) alone on both cores -> average -> benchmark
 # Every stage logs its progress and time, is skipped when its output exists,

@@ -222,11 +222,12 @@ def test_specdec_stats_into_a_missing_directory(toy_bin, untrained_verifier, ran
     assert sorted(H.read_stats(stats)) == sorted(samples[0]["id"].tolist())
 
 
-def test_readme_documents_what_verify_tau_accepts():
-    """The README's option table agrees with the option: negative values are
-    refused (see the --verify-tau cases above), so the docs must not call the
-    option ignored."""
-    row = next(line for line in (H.ROOT / "README.md").read_text().splitlines() if line.startswith("| `--verify-tau"))
+def test_option_reference_documents_what_verify_tau_accepts():
+    """The option reference agrees with the option: negative values and NaN
+    are refused (see the cases above), so the docs must not call the option
+    ignored."""
+    row = next(line for line in (H.ROOT / "docs" / "options.md").read_text().splitlines()
+               if line.startswith("| `--verify-tau"))
     assert ">= 0" in row and "ignored" not in row.lower(), row
 
 
@@ -370,3 +371,17 @@ def test_vsd_of_another_verifier_in_path_names_path(toy_bin, untrained_vsd):
     other = tasks.setup_task(cfg.task).build_model(cfg.model).eval()
     with pytest.raises(ValueError, match="the second model in --path\\) is a specdec_vsd drafter trained on another"):
         build(toy_bin, [other, untrained_vsd], *DV)
+
+
+def test_errors_doc_lists_every_option_refused_under_autoregressive():
+    """docs/errors.md names the speculative options fairseq's own decoder
+    would ignore: exactly those the task refuses."""
+    import re
+
+    from fairseq_specdec.tasks.draft_verify import DraftVerifyTask
+
+    text = (H.ROOT / "docs" / "errors.md").read_text()
+    section = text.split("## Options of speculative decoding under `--decoding autoregressive`", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(--[a-z-]+)`", section)) - {"--path"}
+    assert listed == {"--" + name.replace("_", "-") for name, _ in DraftVerifyTask.SPECULATIVE_OPTIONS}

@@ -63,7 +63,7 @@ def make_plots(results: Dict, out_dir: str) -> List[str]:
         ax.set_xlabel("batch size")
         ax.set_ylabel("ms / sentence")
         ax.legend()
-        ax.set_title("Latency vs batch size (paper 002 Figure 5)")
+        ax.set_title("Latency vs batch size (Xia et al. 2023, Figure 5)")
         _save(fig, out_dir, "latency-vs-batch.png", written)
     # 3. Tok. vs k, and vs beta/tau
     for key, xlabel, fname in (("k_sweep", "block size k", "tok-vs-k.png"), ("beta_tau_sweep", "tau", "tok-vs-beta-tau.png")):

@@ -1,5 +1,5 @@
 """Where decoding time goes: strict draft-verify against fairseq's greedy
-decoder, component by component (the breakdown of paper 000, Table 18).
+decoder, component by component (the breakdown of Table 18 of the SpecDec ICLR 2023 submission).
 
 Both decoders are built as ``fairseq-generate`` builds them
 (:func:`fairseq_specdec.bench.loading.load_decoder`), with threads pinned, and

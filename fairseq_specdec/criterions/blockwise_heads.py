@@ -1,5 +1,5 @@
 """``blockwise_heads``: train the k-1 extra heads of a ``blockwise_transformer``
-(paper 004, section 5).
+(Stern et al. 2018, section 5).
 
 With teacher forcing, head i at target position t predicts the gold token
 ``y[t + i]``; the label-smoothed losses of all heads are summed.  By default

@@ -1,4 +1,4 @@
-"""``glat_block``: glancing training on block-masked targets (paper 002, Eq. 7).
+"""``glat_block``: glancing training on block-masked targets (Xia et al. 2023, Eq. 7).
 
 For each sentence the ``draft_verify`` task has cut a random prefix and masked
 the next k slots (:mod:`fairseq_specdec.tasks.block_inputs`).  In training:

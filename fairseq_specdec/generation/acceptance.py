@@ -29,13 +29,13 @@ class StrictAcceptance:
 
 
 class TopBetaAcceptance:
-    """Relaxed verification (paper 002 Eq. 8-9; paper 000 Eq. 6-7).
+    """Relaxed verification (Xia et al. 2023, Eq. 8-9; the SpecDec ICLR 2023 submission, Eq. 6-7).
 
     A draft is acceptable when it is among the verifier's top-``beta``
     candidates and its score is within ``tau`` of the verifier's top-1
     log-prob.  The score is the verifier's log-prob of the draft
-    (``score="verifier"``, paper 002 and the reference code) or the drafter's
-    (``score="drafter"``, paper 000).  Tokens fairseq forbids at that step
+    (``score="verifier"``, Xia et al. 2023 and the authors' code) or the drafter's
+    (``score="drafter"``, the SpecDec ICLR 2023 submission).  Tokens fairseq forbids at that step
     (log-prob -inf: pad, EOS before --min-len, anything but EOS at the length
     limit) are never accepted.
     """

@@ -69,7 +69,7 @@ def load_drafter(task, path: str, like):
         models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
         drafter = models[0]
         if not getattr(drafter, "is_block_drafter", False):
-            raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a specdec_nat drafter")
+            raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a drafter (specdec_nat or specdec_vsd)")
         for old in [k for k in cache if k[0] == real]:
             del cache[old]
         cache[key] = drafter

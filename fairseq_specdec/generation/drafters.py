@@ -151,7 +151,7 @@ class NATBlockDrafter(Drafter):
 
 
 class SourceCopyDrafter(Drafter):
-    """Input-guided aggressive decoding (paper 003, section 3.1, Algorithm 1).
+    """Input-guided aggressive decoding (Ge et al. 2022, section 3.1, Algorithm 1).
 
     The draft is the source itself: at the start, the whole source; later,
     when the output's last 1, 2 or 3 tokens occur exactly once in the source
@@ -284,7 +284,7 @@ class ShortlistProjection:
 
 
 class BlockwiseHeadsDrafter(Drafter):
-    """Blockwise parallel decoding (paper 004): the k-1 heads of a
+    """Blockwise parallel decoding (Stern et al. 2018): the k-1 heads of a
     ``blockwise_transformer`` read the verifier's state at the last accepted
     draft slot of the previous pass, whose base prediction is the token the
     loop just appended, and propose the k-1 tokens after it (the merged

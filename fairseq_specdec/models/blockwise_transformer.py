@@ -1,4 +1,4 @@
-"""Blockwise parallel decoding (Stern et al. 2018, paper 004): a Transformer
+"""Blockwise parallel decoding (Stern et al. 2018): a Transformer
 whose decoder output feeds k-1 extra heads that predict the tokens 2..k
 positions ahead.
 

@@ -1,4 +1,4 @@
-"""Initialize a Spec-Drafter from its verifier (paper 002, reference README).
+"""Initialize a Spec-Drafter from its verifier (Xia et al. 2023; the authors' README).
 
 The drafter's encoder is fairseq's own ``TransformerEncoderBase``, so the
 verifier's encoder copies in tensor for tensor under the same names.  The copy

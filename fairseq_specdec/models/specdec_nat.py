@@ -1,7 +1,7 @@
 """Spec-Drafter (``specdec_nat``): a non-autoregressive block drafter.
 
 A Transformer encoder-decoder whose decoder reads ``prefix + k mask slots`` and
-predicts the k block tokens in parallel (paper 002, section 3.1):
+predicts the k block tokens in parallel (Xia et al. 2023, section 3.1):
 
 * the encoder is fairseq's own ``TransformerEncoderBase``, so a verifier's
   encoder and embeddings copy into it tensor for tensor
@@ -393,7 +393,7 @@ def _defaults(args, **values):
 
 @register_model_architecture("specdec_nat", "specdec_nat_base")
 def specdec_nat_base(args):
-    """Paper 002's Spec-Drafter: 12-layer encoder, 2-layer decoder, d 512."""
+    """The Spec-Drafter of Xia et al. 2023: 12-layer encoder, 2-layer decoder, d 512."""
     _defaults(
         args,
         encoder_embed_dim=512,

@@ -1,4 +1,4 @@
-"""Block-masked training inputs for the Spec-Drafter (paper 002, Eq. 5-7)."""
+"""Block-masked training inputs for the Spec-Drafter (Xia et al. 2023, Eq. 5-7)."""
 from typing import NamedTuple, Optional
 
 import torch

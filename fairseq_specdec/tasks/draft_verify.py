@@ -38,7 +38,7 @@ VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
 #: drafter 0.71x -> 1.06x with 0.3) and cost nothing measurable with a better one
 DEFAULT_MIN_CONFIDENCE = 0.2
 
-#: block size k used when --block-size is not given (paper 002 uses 25)
+#: block size k used when --block-size is not given (Xia et al. 2023 use 25)
 DEFAULT_BLOCK_SIZE = 25
 
 
@@ -53,8 +53,11 @@ class DraftVerifyConfig(TranslationConfig):
     init_from_verifier: Optional[str] = field(
         default=None,
         metadata={
-            "help": "training a specdec_nat drafter: initialize its encoder and embeddings "
-            "from this verifier checkpoint (the copied and kept tensors are logged)"
+            "help": "training a drafter: copy this verifier checkpoint's encoder and embeddings "
+            "into a specdec_nat drafter (the copied and kept tensors are logged), the whole verifier "
+            "into a blockwise_transformer's base model (only the heads are new), or its embeddings "
+            "and output projection into a specdec_vsd drafter, which also trains on its states "
+            "(required there). Dictionaries must match"
         },
     )
     freeze_encoder: bool = field(
@@ -69,8 +72,8 @@ class DraftVerifyConfig(TranslationConfig):
     drafter_path: Optional[str] = field(
         default=None,
         metadata={
-            "help": "checkpoint of the specdec_nat drafter for --decoding draft-verify "
-            "(or give it as the second model: --path verifier.pt:drafter.pt)"
+            "help": "drafter checkpoint (specdec_nat or specdec_vsd) for --decoding draft-verify, "
+            "read once per process (or give it as the second model: --path verifier.pt:drafter.pt)"
         },
     )
     verify_beta: int = field(
@@ -84,14 +87,16 @@ class DraftVerifyConfig(TranslationConfig):
         default=0.0,
         metadata={
             "help": "relaxed verification: accept a draft whose score is within tau of "
-            "the verifier's top-1 log-prob (must be >= 0; no effect when --verify-beta is 1)"
+            "the verifier's top-1 log-prob (a number >= 0, inf for no limit; no effect when "
+            "--verify-beta is 1)"
         },
     )
     verify_score: VERIFY_SCORE_CHOICES = field(
         default="verifier",
         metadata={
             "help": "whose log-prob of the drafted token --verify-tau compares: the "
-            "verifier's (paper 002) or the drafter's (paper 000)"
+            "verifier's (Spec-Verification of Xia et al., Findings of EMNLP 2023, and the authors' "
+            "code) or the drafter's (the ICLR 2023 submission's SpecDec++)"
         },
     )
     specdec_stats: Optional[str] = field(
@@ -132,19 +137,23 @@ class DraftVerifyConfig(TranslationConfig):
     verify_gemm: VERIFY_GEMM_CHOICES = field(
         default="auto",
         metadata={
-            "help": "speculative decodings with the lean verify pass: how its matrix products "
-            "are computed. 'rowgemm': the plugin's C++ kernel, which reads each weight once for "
-            "all the rows of a pass (a pass of 4 tokens costs little more than one of 1), in an "
-            "order that does not depend on the rows (float32 CPU weights, AVX2); 'torch': torch's "
-            "BLAS products; 'auto' (default): rowgemm where it runs, else torch. The two round "
-            "differently: see docs/verify-kernels.md for what that changed in measured output"
+            "help": "speculative decodings with the lean verify pass: how it computes. 'rowgemm': "
+            "the plugin's C++ extension (float32 CPU weights, AVX2): matrix products that read each "
+            "weight once for all the rows of a pass (a pass of 4 tokens costs little more than one of "
+            "1), in an order that does not depend on the rows, and each ReLU decoder layer (attention "
+            "over the KV cache, residuals, layer norms) as one call; drafters use it too. 'torch': "
+            "torch's operations and BLAS products; 'auto' (default): rowgemm where it runs, else torch. "
+            "The two round differently: see docs/verify-kernels.md for what that changed in measured output"
         },
     )
     block_size: Optional[int] = field(
         default=None,
         metadata={
-            "help": f"block size k: tokens the drafter predicts per pass. Training "
-            f"default {DEFAULT_BLOCK_SIZE}; decoding default: the drafter's training k"
+            "help": f"block size k: tokens the drafter predicts per pass. Training: the block of "
+            f"masked targets (default {DEFAULT_BLOCK_SIZE}); decoding default: the drafter's training k. "
+            "input-guided: caps the draft length (default: no cap); blockwise: caps the heads used "
+            "(default: all); a specdec_vsd drafter drafts at most its --max-block tokens; loop-greedy "
+            "never drafts and refuses the option"
         },
     )
 
