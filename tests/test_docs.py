@@ -56,3 +56,14 @@ def test_no_path_of_the_build_machine_and_no_internal_numbering():
     found = [f"{doc.relative_to(H.ROOT)}:{i}: {line.strip()[:80]}"
              for doc in DOCS for i, line in enumerate(doc.read_text().splitlines(), 1) if bad.search(line)]
     assert not found, found
+
+
+def test_no_path_of_the_build_machine_in_the_package_and_scripts():
+    """Docstrings and comments of the code a user runs name no directory of
+    the machine they were written on, and no work period."""
+    bad = re.compile(r"/work/|/home/|\b[Ss]ession[- ]\d|\bpaper 00\d")
+    files = sorted((H.ROOT / "fairseq_specdec").rglob("*.py")) + sorted((H.ROOT / "scripts").glob("*"))
+    files += sorted((H.ROOT / "configs").glob("*.sh")) + [H.ROOT / "Makefile", H.ROOT / "setup.py"]
+    found = [f"{f.relative_to(H.ROOT)}:{i}: {line.strip()[:80]}" for f in files if f.is_file()
+             for i, line in enumerate(f.read_text().splitlines(), 1) if bad.search(line)]
+    assert not found, found

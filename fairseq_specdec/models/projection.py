@@ -1,13 +1,12 @@
-"""Inference-time linear layers through pre-transposed weights.
+"""Inference-time linear layers through derived weight layouts.
 
-On the CPUs measured here, ``F.linear(x, W)`` with a few rows ``x`` (m x C)
-costs far more than ``x @ Wt`` with ``Wt = W.t().contiguous()``: for the
-7,976 x 256 vocabulary projection at m = 10, 2.1 ms against 1.0 ms; for the
-demo verifier's decoder weights cycled as one decoding step does, 1 row
-1.35 vs 0.75 ms and 2 rows 1.89 vs 0.89 ms (AMD EPYC, 1 thread; the README's
-profile).  A speculative iteration runs its linears over a few rows, so this
-matters.  ``F.linear`` and the transposed product gave bitwise-equal results
-in those measurements, but only the exactness tests are relied on.
+On a CPU, ``F.linear(x, W)`` with a few rows ``x`` costs far more than the
+same product through a layout of ``W`` made once: a contiguous transpose for
+torch's ``addmm``, or the row-blocked kernel's packed panels
+(:mod:`fairseq_specdec.models.rowgemm`).  A speculative iteration runs its
+linears over a few rows, so the drafters and the verify pass compute through
+such layouts (the measurements are in docs/verify-kernels.md and
+docs/results/).  Only the exactness tests are relied on for their values.
 
 **When a cached transpose is trusted.**  Optimizers update parameters through
 ``p.data`` in place, which changes neither the tensor's storage nor its

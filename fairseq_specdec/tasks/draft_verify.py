@@ -33,9 +33,8 @@ VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
 VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
 
-#: --draft-min-confidence default: on the demo models it cut the weak drafters'
-#: rejected drafts (400-update specdec_vsd 1.13x -> 1.29x of --beam 1, paper
-#: drafter 0.71x -> 1.06x with 0.3) and cost nothing measurable with a better one
+#: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
+#: and costs little with good ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
 DEFAULT_MIN_CONFIDENCE = 0.2
 
 #: block size k used when --block-size is not given (Xia et al. 2023 use 25)
