@@ -129,10 +129,9 @@ def test_fused_layer_refuses_a_cache_too_small_by_name():
     layer = BlockLayer(16, 2, 32, dropout=0.0).eval()
     lin = [rowgemm.PackedLinear(m.weight, m.bias) for m in (layer.self_qkv, layer.self_out, layer.cross_q,
                                                              layer.cross_out, layer.fc1, layer.fc2)]
-    products = [(p.packed, rowgemm.packed_bias(p)) for p in lin]
     norms = [(ln.weight.detach(), ln.bias.detach()) for ln in (layer.ln_self, layer.ln_cross, layer.ln_ffn)]
     cross = (torch.randn(2, 3, 8), torch.randn(2, 3, 8))
     keys = torch.zeros(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="needs cache positions up to 6, capacity 4"):
-        rowgemm.fused_layer(torch.randn(1, 3, 16), products, norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
+        rowgemm.fused_layer(torch.randn(1, 3, 16), lin, norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
                             torch.tensor([3]), keys, keys.clone())

@@ -121,11 +121,10 @@ def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     changes drafts, never the strict output."""
     if torch.is_grad_enabled() or module.training:
         return module(x)
-    if rowgemm.applies_to(module.weight) and x.dtype == torch.float32:
-        cache = module.__dict__.get("_specdec_packed")
-        if cache is None:
-            cache = module.__dict__["_specdec_packed"] = DerivedWeight(rowgemm.PackedLinear)
-        return cache.get(module.weight, module.bias)(x)
+    if x.dtype == torch.float32:
+        packed = packed_linear(module)
+        if packed is not None:
+            return packed(x)
     cache = module.__dict__.get("_specdec_weight_t")
     if cache is None:
         cache = module.__dict__["_specdec_weight_t"] = TransposedWeight()

@@ -106,7 +106,7 @@ class FusedDecoderLayer:
 
     def __init__(self, layer, qkv, sa_out, ca_q, ca_out, fc1, fc2):
         sa, ca = layer.self_attn, layer.encoder_attn
-        self.products = [(p.packed, packed_bias(p)) for p in (qkv, sa_out, ca_q, ca_out, fc1, fc2)]
+        self.linears = (qkv, sa_out, ca_q, ca_out, fc1, fc2)
         norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
         self.norms = [(n.weight.detach().float().contiguous(), n.bias.detach().float().contiguous()) for n in norms]
         self.eps = float(norms[0].eps)
@@ -120,21 +120,22 @@ class FusedDecoderLayer:
         tokens go in ``keys``/``values`` (B x heads x capacity x d, written in
         place); ``cross``: the encoder attention's (B * heads) x S x d keys
         and values; ``enc_pad``: B x S, True at padding (or None)."""
-        return fused_layer(x, self.products, self.norms, self.eps, self.heads, self.scaling, self.c_heads,
+        return fused_layer(x, self.linears, self.norms, self.eps, self.heads, self.scaling, self.c_heads,
                            self.c_scaling, self.normalize_before, cross, enc_pad, starts, keys, values)
 
 
-def fused_layer(x: Tensor, products, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
+def fused_layer(x: Tensor, linears, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
                 normalize_before: bool, cross: tuple, enc_pad: Optional[Tensor], starts: Optional[Tensor] = None,
                 keys: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
-    """One call of the extension's ``decoder_layer``: ``products`` are six
-    (packed weight, packed bias) pairs (self-attention QKV and output,
-    encoder-attention query and output, the two feed-forward products; the
-    first feed-forward product is followed by ReLU), ``norms`` three (weight,
-    bias) pairs.  With ``keys``/``values`` (and ``starts``) self-attention is
+    """One call of the extension's ``decoder_layer``: ``linears`` are six
+    :class:`PackedLinear` (self-attention QKV and output, encoder-attention
+    query and output, the two feed-forward products; the first feed-forward
+    product is followed by ReLU), ``norms`` three (weight, bias) pairs.  With ``keys``/``values`` (and ``starts``) self-attention is
     causal over that cache (written in place); without, bidirectional over
     the rows of ``x`` (B x m x C)."""
-    (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = products
+    (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = [
+        (p.packed, packed_bias(p)) for p in linears
+    ]
     (sl_w, sl_b), (cl_w, cl_b), (fl_w, fl_b) = norms
     if starts is None:
         starts = _NO_STARTS

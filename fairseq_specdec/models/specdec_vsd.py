@@ -122,12 +122,11 @@ class BlockLayer(nn.Module):
         if self._fused(x):
             d = c // self.heads
             linears = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
-            products = [(p.packed, rowgemm.packed_bias(p)) for p in map(packed_linear, linears)]
             norms = [(ln.weight.detach(), ln.bias.detach()) for ln in (self.ln_self, self.ln_cross, self.ln_ffn)]
             cross = tuple(t.reshape(n * self.heads, -1, d) for t in memory)
             pad = ~memory_mask.reshape(n, -1) if memory_mask is not None else None
             scale = 1.0 / math.sqrt(d)  # scaled_dot_product_attention's default
-            return rowgemm.fused_layer(x, products, norms, float(self.ln_self.eps), self.heads, scale, self.heads,
+            return rowgemm.fused_layer(x, [packed_linear(m) for m in linears], norms, float(self.ln_self.eps), self.heads, scale, self.heads,
                                        scale, True, cross, pad)
         p = self.dropout if self.training else 0.0
         q, k, v = cached_linear(self.self_qkv, self.ln_self(x)).chunk(3, dim=-1)
