@@ -58,6 +58,23 @@ def ar_checkpoint(toy_bin, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vsd_training(toy_bin, ar_checkpoint, tmp_path_factory):
+    """(checkpoint, training log) of the tiny specdec_vsd drafter on the
+    ar_checkpoint verifier (200 updates)."""
+    save_dir = tmp_path_factory.mktemp("ckpt_vsd")
+    proc = H.run([
+        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.VSD_ARGS, "--block-size", "4",
+        "--init-from-verifier", ar_checkpoint, *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
+    ])
+    return str(save_dir / "checkpoint_last.pt"), proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def vsd_checkpoint(vsd_training):
+    return vsd_training[0]
+
+
+@pytest.fixture(scope="session")
 def nat_training(toy_bin, tmp_path_factory):
     """(checkpoint path, training log) of a tiny specdec_nat drafter, k = 4."""
     save_dir = tmp_path_factory.mktemp("ckpt_nat")
@@ -87,6 +104,23 @@ def random_drafter_checkpoint(toy_bin, tmp_path_factory):
 def verifier(ar_checkpoint, toy_bin):
     """(model, task) of the trained tiny Transformer, loaded in-process."""
     return H.load_model(ar_checkpoint, toy_bin)
+
+
+@pytest.fixture(scope="session")
+def beam1_reference(verifier):
+    """``get(option set, batch size) -> {id: hypothesis}``: fairseq's own
+    ``--beam 1`` SequenceGenerator on the ``verifier`` fixture's test split,
+    each (option set, batch size) decoded once per session."""
+    model, task = verifier
+    cache = {}
+
+    def get(opts, bsz):
+        if (opts, bsz) not in cache:
+            gen = H.seq_gen(model, task.target_dictionary, H.OPTION_SETS[opts])
+            cache[(opts, bsz)] = H.run_generator(gen, model, H.batches(task, "test", bsz))
+        return cache[(opts, bsz)]
+
+    return get
 
 
 @pytest.fixture(scope="session")

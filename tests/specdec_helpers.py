@@ -27,6 +27,11 @@ OPTIM_ARGS = [
     "--warmup-updates", "50", "--max-tokens", "1024", "--dropout", "0.0",
     "--no-epoch-checkpoints", "--cpu", "--seed", "1",
 ]
+#: the tiny specdec_vsd drafter (--task draft_verify; reads the verifier's states)
+VSD_ARGS = [
+    "--task", "draft_verify", "--arch", "specdec_vsd", "--criterion", "glat_block",
+    "--embed-dim", "64", "--attention-heads", "2", "--ffn-embed-dim", "128",
+]
 #: the tiny specdec_nat drafter (--task draft_verify)
 NAT_ARGS = [
     "--task", "draft_verify", "--arch", "specdec_nat_tiny", "--criterion", "glat_block",
@@ -216,13 +221,10 @@ def batches(task, split, batch_size):
 
 
 # ---------------------------------------------------------------- in-process generation
-def run_generator(gen, model, samples, drafter=None):
-    """{id: hypothesis} of ``gen`` on ``samples``; ``drafter.begin(ids)`` is
-    called before each batch for test drafters that need the sentence ids."""
+def run_generator(gen, model, samples):
+    """{id: hypothesis} of ``gen`` on ``samples``."""
     out = {}
     for sample in samples:
-        if drafter is not None:
-            drafter.begin(sample["id"].tolist())
         hypos = gen.generate([model], sample)
         assert len(hypos) == len(sample["id"])
         for i, sid in enumerate(sample["id"].tolist()):
@@ -270,7 +272,7 @@ GEMMS = ["torch", "rowgemm"]
 
 
 def gemm_available(gemm):
-    from fairseq_specdec.models import rowgemm
+    from fairseq_specdec.utils import rowgemm
 
     return gemm == "torch" or rowgemm.unavailable_reason() is None
 
@@ -309,5 +311,59 @@ def speculative_run(model, drafter, tgt_dict, k, opts, samples, stats_path, acce
     from fairseq_specdec.generation import SpecDecStats
 
     gen = spec_gen(model, drafter, tgt_dict, k, opts, stats=SpecDecStats(str(stats_path)), acceptance=acceptance)
-    got = run_generator(gen, model, samples, drafter if hasattr(drafter, "begin") else None)
+    got = run_generator(gen, model, samples)
     return got, read_stats(stats_path)
+
+
+# ---------------------------------------------------------------- test drafters
+def reference_drafter(refs, filler, cut=None, after_cut=None, check_prefix=False, with_scores=False):
+    """A drafter (the loop's one contract) that drafts each row's reference
+    continuation.
+
+    ``refs``: {sentence id: token ids} (a decoder's output, EOS last); past
+    the reference's end every slot is ``filler``.  ``cut(sid, k)``: the
+    slot from which row ``sid``'s draft is wrong (None: never), filled from
+    there with ``after_cut(sid)`` (default ``filler``).  ``check_prefix``:
+    assert that the accepted prefix the state hands over is the reference's
+    (the contract: BOS at 0, the accepted tokens at ``1 .. lengths[i]``).
+    ``with_scores``: return zero log-probs with the drafts.  The sentence ids
+    are read once per batch, in ``start_batch``: drafting reads nothing from
+    the device."""
+    import torch
+
+    from fairseq_specdec.generation.drafters import Drafter
+
+    class ReferenceDrafter(Drafter):
+        def __init__(self):
+            self.ids = None
+            self.calls = 0
+
+        def start_batch(self, state):
+            self.ids = state.sample["id"].tolist()
+
+        def propose(self, state, k):
+            self.calls += 1
+            out = []
+            for i, row in enumerate(state.rows):
+                sid, n = self.ids[row], state.lengths_host[i]
+                ref = refs.get(sid, [])
+                if check_prefix:
+                    assert state.tokens[i, 1 : n + 1].tolist() == ref[:n], f"sentence {sid}: wrong prefix"
+                cont = (ref[n : n + k] + [filler] * k)[:k]
+                if cut is not None:
+                    c = cut(sid, k)
+                    tail = after_cut(sid) if after_cut is not None else filler
+                    cont = cont[:c] + [tail] * (k - c)
+                out.append(cont)
+            tokens = torch.tensor(out, dtype=torch.long).view(len(out), k)
+            return tokens, (torch.zeros(tokens.shape) if with_scores else None)
+
+        def reorder(self, order, order_host):
+            pass
+
+    return ReferenceDrafter()
+
+
+def output_tokens(hypotheses):
+    """{id: token ids} of {id: hypothesis}."""
+    return {i: h["tokens"].tolist() for i, h in hypotheses.items()}

@@ -154,7 +154,7 @@ def test_drafter_drafts_each_heads_best_allowed_type(built, shortlist):
     assert torch.equal(drafter.propose(state, 1)[0], expected[:, :1])
     if shortlist:  # the shortlist really narrows the choice somewhere
         assert not torch.equal(expected, logits.masked_fill(~_not_special(d), -math.inf).argmax(-1))
-    drafter.reorder(torch.tensor([2, 0]))
+    drafter.reorder(torch.tensor([2, 0]), [2, 0])
     assert torch.equal(drafter.propose(state, 2)[0], expected[[2, 0]])
 
 

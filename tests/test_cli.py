@@ -137,35 +137,42 @@ def test_drafter_training_anneals_glance_ratio(nat_training):
 # ---- 11. exactness through fairseq-generate -----------------------------------------
 
 
-@pytest.mark.parametrize("bsz", [1, 3, 16])
-@pytest.mark.parametrize("drafter", ["random", "trained"])
-def test_strict_draft_verify_equals_beam1(toy_bin, ar_checkpoint, baseline, random_drafter_checkpoint,
-                                          nat_checkpoint, drafter, bsz, tok_per_iteration):
-    path = {"random": random_drafter_checkpoint, "trained": nat_checkpoint}[drafter]
-    proc = H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", path, task="draft_verify", batch_size=bsz)
-    got = H.parse_generate(proc.stdout)
-    H.assert_same_hypotheses(baseline(bsz), got)
-    stats = STATS.findall(proc.stdout)
+@pytest.fixture(scope="module")
+def strict_runs(toy_bin, ar_checkpoint, random_drafter_checkpoint, nat_checkpoint):
+    """{(drafter, batch size): fairseq-generate's output} of strict
+    draft-verify with an untrained and a trained drafter, each run once."""
+    paths = {"random": random_drafter_checkpoint, "trained": nat_checkpoint}
+    return {
+        (drafter, bsz): H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", path, task="draft_verify", batch_size=bsz).stdout
+        for drafter, path in paths.items()
+        for bsz in (1, 3, 16)
+    }
+
+
+def tokens_per_iteration(stdout, got):
+    stats = STATS.findall(stdout)
     assert len(stats) == 1, "the draft-verify summary must be logged once"
     sentences, tokens, iterations, tok = stats[0]
     assert int(sentences) == 50
     assert int(tokens) == n_tokens(got) + 50  # one EOS per sentence
     assert int(iterations) <= int(tokens)
-    tok_per_iteration[(drafter, bsz)] = int(tokens) / int(iterations)
+    return int(tokens) / int(iterations)
 
 
-@pytest.fixture(scope="module")
-def tok_per_iteration():
-    return {}
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+@pytest.mark.parametrize("drafter", ["random", "trained"])
+def test_strict_draft_verify_equals_beam1(baseline, strict_runs, drafter, bsz):
+    stdout = strict_runs[(drafter, bsz)]
+    got = H.parse_generate(stdout)
+    H.assert_same_hypotheses(baseline(bsz), got)
+    tokens_per_iteration(stdout, got)
 
 
-def test_trained_drafter_accepts_more(tok_per_iteration):
-    """Runs after the exactness runs above (same module, file order)."""
-    if not any(k[0] == "trained" for k in tok_per_iteration) or not any(k[0] == "random" for k in tok_per_iteration):
-        pytest.skip("needs test_strict_draft_verify_equals_beam1")
-    trained = min(v for k, v in tok_per_iteration.items() if k[0] == "trained")
-    random_ = max(v for k, v in tok_per_iteration.items() if k[0] == "random")
-    assert trained > random_ and trained > 1.3, tok_per_iteration
+def test_trained_drafter_accepts_more(strict_runs):
+    tok = {key: tokens_per_iteration(out, H.parse_generate(out)) for key, out in strict_runs.items()}
+    trained = min(v for k, v in tok.items() if k[0] == "trained")
+    random_ = max(v for k, v in tok.items() if k[0] == "random")
+    assert trained > random_ and trained > 1.3, tok
 
 
 def test_block_size_one_stats(toy_bin, ar_checkpoint, nat_checkpoint, baseline, tmp_path):

@@ -173,35 +173,7 @@ def _assert_failed_before_decoding(proc, *needles):
         assert needle in out, f"{needle!r} not in output:\n{out[-3000:]}"
 
 
-@pytest.mark.slow
-def test_cli_missing_drafter(toy_bin, ar_checkpoint, tmp_path):
-    missing = str(tmp_path / "missing_drafter.pt")
-    proc = H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", missing, task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, "missing_drafter.pt", "no such file")
-
-
-@pytest.mark.slow
-def test_cli_beam(toy_bin, ar_checkpoint, random_drafter_checkpoint):
-    proc = H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", random_drafter_checkpoint, "--beam", "5",
-                      task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, "--beam")
-
-
-@pytest.mark.slow
-def test_cli_dictionary_mismatch(toy_bin, ar_checkpoint, permuted_dict_drafter):
-    proc = H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", permuted_dict_drafter,
-                      task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, "dictionary")
-
-
-@pytest.mark.slow
-def test_cli_transformer_as_drafter(toy_bin, ar_checkpoint):
-    proc = H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", ar_checkpoint,
-                      task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, "specdec_nat")
-
-
-# ---- issue 14: options of another decoding, messages ------------------------------
+# ---- options of another decoding, messages ------------------------------------------
 
 
 def test_drafter_alone_in_path(toy_bin, tiny_drafter):
@@ -231,50 +203,46 @@ def test_option_reference_documents_what_verify_tau_accepts():
     assert ">= 0" in row and "ignored" not in row.lower(), row
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "argv,option",
-    [
-        (["--drafter-path", "missing.pt"], "--drafter-path"),
-        (["--verify-beta", "3"], "--verify-beta"),
-        (["--verify-tau", "1"], "--verify-tau"),
-        (["--adaptive-draft"], "--adaptive-draft"),
-        (["--verify-gemm", "torch"], "--verify-gemm"),
-    ],
-    ids=["drafter-path", "verify-beta", "verify-tau", "adaptive-draft", "verify-gemm"],
-)
-def test_cli_speculative_option_under_autoregressive(toy_bin, transformer_checkpoint, argv, option):
+# ---- through the real fairseq-generate ------------------------------------------
+
+
+SPECULATIVE_UNDER_AUTOREGRESSIVE = [
+    (["--drafter-path", "missing.pt"], "--drafter-path"),
+    (["--verify-beta", "3"], "--verify-beta"),
+    (["--verify-tau", "1"], "--verify-tau"),
+    (["--adaptive-draft"], "--adaptive-draft"),
+    (["--verify-gemm", "torch"], "--verify-gemm"),
+]
+
+
+@pytest.mark.parametrize("argv,option", SPECULATIVE_UNDER_AUTOREGRESSIVE, ids=[o for _, o in SPECULATIVE_UNDER_AUTOREGRESSIVE])
+def test_speculative_option_under_autoregressive(toy_bin, untrained_verifier, argv, option):
     """fairseq's own decoding would ignore these: refused, naming the option."""
-    proc = H.generate(toy_bin, transformer_checkpoint, "--decoding", "autoregressive", *argv,
-                      task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, option, "speculative")
+    with pytest.raises(ValueError, match=f"{option} .*applies to speculative decodings only"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "autoregressive", *argv)
 
 
 @pytest.mark.slow
-def test_cli_negative_verify_tau(toy_bin, transformer_checkpoint, random_drafter_checkpoint):
-    proc = H.generate(toy_bin, transformer_checkpoint, *DV, "--drafter-path", random_drafter_checkpoint,
-                      "--verify-tau", "-1", task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, "--verify-tau")
-
-
-@pytest.mark.slow
-def test_cli_drafter_alone_in_path(toy_bin, random_drafter_checkpoint):
-    proc = H.generate(toy_bin, random_drafter_checkpoint, *DV, task="draft_verify", check=False)
-    _assert_failed_before_decoding(proc, "--path holds only a drafter")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["--path", "--drafter-path"])
-def test_cli_corrupt_checkpoint_is_named(toy_bin, transformer_checkpoint, tmp_path, where):
+@pytest.mark.parametrize("case", ["missing drafter", "beam", "autoregressive", "corrupt --path", "corrupt --drafter-path"])
+def test_cli_refuses_before_decoding(toy_bin, transformer_checkpoint, random_drafter_checkpoint, tmp_path, case):
+    """The refusals tested in-process above reach a fairseq-generate user,
+    naming the option or file, before any sentence is decoded: one case per
+    path an error takes (the generator builder, fairseq's generation options,
+    the task's guard of its own decoding, the safe checkpoint loader)."""
     corrupt = tmp_path / "corrupt_model.pt"
     data = open(transformer_checkpoint, "rb").read()
     corrupt.write_bytes(data[: len(data) // 3])
-    if where == "--path":
-        proc = H.generate(toy_bin, corrupt, *DV, task="draft_verify", check=False)
-    else:
-        proc = H.generate(toy_bin, transformer_checkpoint, *DV, "--drafter-path", corrupt, task="draft_verify",
-                          check=False)
-    _assert_failed_before_decoding(proc, f"cannot load checkpoint {corrupt}")
+    missing = str(tmp_path / "missing_drafter.pt")
+    path, argv, needles = {
+        "missing drafter": (transformer_checkpoint, [*DV, "--drafter-path", missing], ["missing_drafter.pt", "no such file"]),
+        "beam": (transformer_checkpoint, [*DV, "--drafter-path", random_drafter_checkpoint, "--beam", "5"], ["--beam"]),
+        "autoregressive": (transformer_checkpoint, ["--decoding", "autoregressive", "--verify-beta", "3"],
+                           ["--verify-beta", "speculative"]),
+        "corrupt --path": (corrupt, [*DV], [f"cannot load checkpoint {corrupt}"]),
+        "corrupt --drafter-path": (transformer_checkpoint, [*DV, "--drafter-path", corrupt], [f"cannot load checkpoint {corrupt}"]),
+    }[case]
+    proc = H.generate(toy_bin, path, *argv, task="draft_verify", check=False)
+    _assert_failed_before_decoding(proc, *needles)
     assert "weights_only" not in proc.stdout + proc.stderr
 
 

@@ -17,7 +17,7 @@ import torch
 
 import specdec_helpers as H
 import toy_corpus
-from fairseq_specdec.generation import NATBlockDrafter
+from fairseq_specdec.generation import DecodingState, NATBlockDrafter
 
 LIMIT = 16  # the small drafter's --max-source-positions / --max-target-positions
 # words per line (the source adds an EOS): in-distribution lines, lines longer
@@ -104,7 +104,7 @@ def test_rows_too_long_for_the_drafter_get_no_draft(toy_bin):
     prefix = torch.full((len(lines), 2), d.pad())
     prefix_lengths = torch.zeros(len(lines), dtype=torch.long)
     drafter = NATBlockDrafter(model, None, with_scores=True)
-    drafter.start(net_input, len(lines))
+    drafter.start_batch(DecodingState({"net_input": net_input}, None, width=8, pad=d.pad(), bos=d.eos(), draft_k=4))
     drafts, lprobs = model.draft(drafter.encoder_out, prefix, prefix_lengths, 4, True, active=drafter.fits)
     fits = [n + 1 <= LIMIT for n in lengths]
     assert fits == [True, False, True, False, True]
@@ -114,7 +114,7 @@ def test_rows_too_long_for_the_drafter_get_no_draft(toy_bin):
         if ok:
             alone = {"src_tokens": tokens[row].unsqueeze(0), "src_lengths": torch.tensor([len(tokens[row])])}
             single = NATBlockDrafter(model, None, with_scores=True)
-            single.start(alone, 1)
+            single.start_batch(DecodingState({"net_input": alone}, None, width=8, pad=d.pad(), bos=d.eos(), draft_k=4))
             expected, _ = model.draft(single.encoder_out, prefix[:1], prefix_lengths[:1], 4, True)
             assert drafts[row].tolist() == expected[0].tolist()
     assert torch.isinf(lprobs[1]).all() and torch.isfinite(lprobs[0]).all()
@@ -189,8 +189,7 @@ def test_source_copy_drafter_with_empty_and_long_sources():
     long_source = list(range(10, 50))
     src_tokens = torch.tensor([[pad] * 40 + [eos], [pad] * 34 + [10, 11, 12, 13, 14, 15, eos], long_source + [eos]])
     drafter = SourceCopyDrafter(pad, eos)
-    drafter.start({"src_tokens": src_tokens}, 3)
-    tokens = torch.full((3, 8), pad)
-    tokens[:, 0] = eos  # the BOS
-    drafts, _ = drafter.draft(tokens, torch.zeros(3, dtype=torch.long), 5)
+    state = DecodingState({"net_input": {"src_tokens": src_tokens}}, None, width=8, pad=pad, bos=eos, draft_k=5)
+    drafter.start_batch(state)
+    drafts, _ = drafter.propose(state, 5)  # no output yet: BOS only
     assert drafts.tolist() == [[pad] * 5, [10, 11, 12, 13, 14], long_source[:5]]

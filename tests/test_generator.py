@@ -15,7 +15,6 @@ import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, check_stats, run_generator, seq_gen, spec_gen, speculative_run
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import (
-    Drafter,
     NATBlockDrafter,
     SpecDecStats,
     SpeculativeGenerator,
@@ -26,68 +25,20 @@ from fairseq_specdec.generation import (
 pytestmark = pytest.mark.slow  # needs the trained verifier (fairseq-train)
 
 
-class ListDrafter(Drafter):
-    """Base for drafters that know the sentence ids of the batch."""
-
-    def begin(self, ids):
-        self.rows = list(ids)
-
-    def start(self, net_input, bsz):
-        assert bsz == len(self.rows)
-
-    def reorder(self, new_order):
-        self.rows = [self.rows[i] for i in new_order.tolist()]
+def oracle(ref, d):
+    """Proposes the reference continuation (every draft accepted); checks the prefix it is given."""
+    return H.reference_drafter(H.output_tokens(ref), d.index("b0"), check_prefix=True, with_scores=True)
 
 
-class OracleDrafter(ListDrafter):
-    """Proposes the reference output; checks the prefix it is given."""
-
-    def __init__(self, refs, filler):
-        self.refs, self.filler = refs, filler
-        self.calls = 0
-
-    def draft(self, tokens, lengths, k):
-        self.calls += 1
-        out = []
-        for r, (row, n) in enumerate(zip(self.rows, lengths.tolist())):
-            ref = self.refs[row]
-            # the drafter contract: BOS at 0, the accepted tokens at 1 .. n
-            assert tokens[r, 1 : n + 1].tolist() == ref[:n], f"sentence {row}: wrong prefix"
-            cont = ref[n : n + k]
-            out.append(cont + [self.filler] * (k - len(cont)))
-        t = torch.tensor(out, dtype=torch.long).view(len(self.rows), k)
-        return t, torch.zeros(t.shape)
-
-
-class RejectingDrafter(ListDrafter):
+def rejecting(d):
     """Always proposes pad: fairseq masks it, so strict verification rejects it."""
-
-    def __init__(self, pad):
-        self.pad = pad
-
-    def draft(self, tokens, lengths, k):
-        return torch.full((len(self.rows), k), self.pad, dtype=torch.long), None
-
-
-class IdsAwareNAT(NATBlockDrafter):
-    def begin(self, ids):
-        pass
+    return H.reference_drafter({}, d.pad(), cut=lambda sid, k: 0)
 
 
 @pytest.fixture(scope="module")
-def reference(verifier):
-    """{(option set, batch size): {id: hypo}} from fairseq's SequenceGenerator."""
-    model, task = verifier
-    cache = {}
-
-    def get(opts_name, bsz):
-        key = (opts_name, bsz)
-        if key not in cache:
-            gen = seq_gen(model, task.target_dictionary, OPTION_SETS[opts_name])
-            cache[key] = run_generator(gen, model, H.batches(task, "test", bsz))
-        return cache[key]
-
-    return get
+def reference(beam1_reference):
+    """(option set, batch size) -> {id: hypo} from fairseq's SequenceGenerator."""
+    return beam1_reference
 
 
 def test_reference_is_sane(reference, verifier):
@@ -109,7 +60,7 @@ def test_oracle_drafter_exact_and_all_accepted(verifier, reference, tmp_path, op
     d = task.target_dictionary
     k = 4
     ref = reference(opts, bsz)
-    drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
+    drafter = oracle(ref, d)
     got, stats = speculative_run(model, drafter, d, k, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
     check_stats(stats, got, k)
@@ -128,7 +79,7 @@ def test_eos_inside_the_block(verifier, reference, tmp_path, bsz):
     ref = reference("default", bsz)
     k = 40
     assert all(len(h["tokens"]) < k for h in ref.values())
-    drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
+    drafter = oracle(ref, d)
     got, stats = speculative_run(model, drafter, d, k, OPTION_SETS["default"], H.batches(task, "test", bsz), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
     assert all(s["iterations"] == 1 for s in stats.values())
@@ -142,7 +93,7 @@ def test_rejecting_drafter_exact(verifier, reference, tmp_path, opts, bsz):
     d = task.target_dictionary
     ref = reference(opts, bsz)
     for k in (1, 3):
-        drafter = RejectingDrafter(d.pad())
+        drafter = rejecting(d)
         got, stats = speculative_run(model, drafter, d, k, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / f"stats{k}.jsonl")
         assert_identical(ref, got)
         check_stats(stats, got, k)
@@ -159,7 +110,7 @@ def test_untrained_nat_drafter_exact(verifier, reference, tiny_drafter, tmp_path
     drafter_model = tiny_drafter[0]
     d = task.target_dictionary
     ref = reference(opts, bsz)
-    drafter = IdsAwareNAT(drafter_model)
+    drafter = NATBlockDrafter(drafter_model)
     got, stats = speculative_run(model, drafter, d, k, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
     check_stats(stats, got, k)
@@ -169,7 +120,7 @@ def test_oracle_k1_iterations(verifier, reference, tmp_path):
     model, task = verifier
     d = task.target_dictionary
     ref = reference("default", 3)
-    drafter = OracleDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, filler=d.index("b0"))
+    drafter = oracle(ref, d)
     got, stats = speculative_run(model, drafter, d, 1, OPTION_SETS["default"], H.batches(task, "test", 3), tmp_path / "stats.jsonl")
     assert_identical(ref, got)
     for i, s in stats.items():
@@ -186,9 +137,9 @@ def test_relaxed_acceptance_accepts_more_than_strict(verifier, tiny_drafter, tmp
     counts = {}
     for name, rule in (("strict", StrictAcceptance()), ("loose", TopBetaAcceptance(len(d), 1e9))):
         stats = SpecDecStats(str(tmp_path / f"{name}.jsonl"))
-        drafter = IdsAwareNAT(tiny_drafter[0])
+        drafter = NATBlockDrafter(tiny_drafter[0])
         gen = spec_gen(model, drafter, d, 4, OPTION_SETS["default"], stats=stats, acceptance=rule)
-        got = run_generator(gen, model, samples, drafter)
+        got = run_generator(gen, model, samples)
         assert sorted(got) == list(range(50))
         assert all(h["tokens"][-1] == d.eos() for h in got.values())
         counts[name] = stats.iterations

@@ -24,23 +24,9 @@ import torch
 
 import specdec_helpers as H
 
-VSD_ARGS = [
-    "--task", "draft_verify", "--arch", "specdec_vsd", "--criterion", "glat_block",
-    "--embed-dim", "64", "--attention-heads", "2", "--ffn-embed-dim", "128",
-]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 #: most sentences of the 50-sentence test split allowed to differ from --beam 1 in the same precision
 ALLOWED = {1: 1, 8: 5}
-
-
-@pytest.fixture(scope="module")
-def vsd_checkpoint(toy_bin, ar_checkpoint, tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("ckpt_vsd_half")
-    H.run([
-        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *VSD_ARGS, "--block-size", "4",
-        "--init-from-verifier", ar_checkpoint, *H.OPTIM_ARGS, "--max-update", "100", "--save-dir", save_dir,
-    ])
-    return str(save_dir / "checkpoint_last.pt")
 
 
 def load(path, data, dtype):

@@ -18,7 +18,7 @@ import torch
 import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
 import fairseq_specdec  # noqa: F401
-from fairseq_specdec.generation import Drafter, SpeculativeGenerator, StrictAcceptance
+from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
 
 pytestmark = pytest.mark.slow  # needs the trained toy verifier
 
@@ -46,35 +46,14 @@ def counting_reads(log):
             setattr(torch.Tensor, name, original)
 
 
-class ReferenceDrafter(Drafter):
+def ragged(ref, d):
     """Drafts the reference continuation, wrong (or padded: no draft) from a
     slot that depends on the row: ragged acceptance, drafted EOS followed by
-    more drafts, and rows without drafts.  It reads nothing from the device
-    while drafting (its host bookkeeping is filled before each batch)."""
-
-    def __init__(self, refs, wrong, pad):
-        self.refs, self.wrong, self.pad = refs, wrong, pad
-        self.ids = None
-
-    def begin(self, ids):
-        self.ids = ids
-
-    def start_batch(self, state):
-        pass
-
-    def propose(self, state, k):
-        out = []
-        for i, row in enumerate(state.rows):
-            sid = self.ids[row]
-            n = state.lengths_host[i]
-            cont = (self.refs[sid][n : n + k] + [self.wrong] * k)[:k]
-            cut = sid % (k + 1)
-            filler = self.pad if sid % 3 == 0 else self.wrong
-            out.append(cont[:cut] + [filler] * (k - cut))
-        return torch.tensor(out, dtype=torch.long).view(len(out), k), None
-
-    def reorder(self, new_order):
-        pass
+    more drafts, and rows without drafts."""
+    wrong, pad = d.index("b0"), d.pad()
+    return H.reference_drafter(
+        H.output_tokens(ref), wrong, cut=lambda sid, k: sid % (k + 1), after_cut=lambda sid: pad if sid % 3 == 0 else wrong
+    )
 
 
 def generator(model, drafter, d, host_checks, opts="default", k=4):
@@ -84,14 +63,8 @@ def generator(model, drafter, d, host_checks, opts="default", k=4):
 
 
 @pytest.fixture(scope="module")
-def reference(verifier):
-    model, task = verifier
-    d = task.target_dictionary
-    return {
-        (opts, bsz): run_generator(seq_gen(model, d, OPTION_SETS[opts]), model, H.batches(task, "test", bsz))
-        for opts in ("default", "max_len_3", "min_len_15")
-        for bsz in (1, 16)
-    }
+def reference(beam1_reference):
+    return {(opts, bsz): beam1_reference(opts, bsz) for opts in ("default", "max_len_3", "min_len_15") for bsz in (1, 16)}
 
 
 @pytest.mark.parametrize("opts", ["default", "max_len_3", "min_len_15"])
@@ -101,8 +74,8 @@ def test_output_is_greedy_with_and_without_host_checks(verifier, reference, opts
     model, task = verifier
     d = task.target_dictionary
     ref = reference[(opts, bsz)]
-    drafter = ReferenceDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, d.index("b0"), d.pad())
-    got = run_generator(generator(model, drafter, d, host_checks, opts), model, H.batches(task, "test", bsz), drafter)
+    drafter = ragged(ref, d)
+    got = run_generator(generator(model, drafter, d, host_checks, opts), model, H.batches(task, "test", bsz))
     assert_identical(ref, got)
 
 
@@ -122,7 +95,6 @@ def reads_per_window(model, task, drafter, host_checks, bsz):
 
     gen.verifier.forward = marked
     for sample in H.batches(task, "test", bsz):
-        drafter.begin(sample["id"].tolist())
         windows.clear()
         with counting_reads(log):
             gen.generate([model], sample)
@@ -136,7 +108,7 @@ def test_one_host_read_per_iteration_without_host_checks(verifier, reference, bs
     model, task = verifier
     d = task.target_dictionary
     ref = reference[("default", bsz)]
-    drafter = ReferenceDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, d.index("b0"), d.pad())
+    drafter = ragged(ref, d)
     counts = list(reads_per_window(model, task, drafter, False, bsz))
     assert len(counts) >= 5
     assert set(counts) == {1}, counts

@@ -20,9 +20,10 @@ import torch
 import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
 import fairseq_specdec  # noqa: F401
-from fairseq_specdec.generation import Drafter, NATBlockDrafter, SpeculativeGenerator, StrictAcceptance
+from fairseq_specdec.generation import NATBlockDrafter, SpeculativeGenerator, StrictAcceptance
 from fairseq_specdec.generation.lean_verifier import LeanVerifier, lean_unsupported_reason
-from fairseq_specdec.generation.verifier import CachedVerifier, build_verifier
+from fairseq_specdec.generation.verifier import CachedVerifier
+from fairseq_specdec.generation.verify_passes import build_verifier
 
 
 class PairedVerifier:
@@ -40,6 +41,9 @@ class PairedVerifier:
 
     def encode(self, net_input):
         return self.lean.encode(net_input)
+
+    def reorder_encoder_out(self, encoder_out, order):
+        return self.lean.reorder_encoder_out(encoder_out, order)
 
     def start(self):
         self.lean.start()
@@ -67,9 +71,7 @@ class PairedVerifier:
         self.ref.rollback(state, keep, keep_host)
 
     def reorder(self, state, new_order, new_order_host):
-        encoder_out = state.encoder_out
         self.ref.reorder(state, new_order, new_order_host)
-        state.encoder_out = encoder_out  # each reorders the state's encoder output once
         self.lean.reorder(state, new_order, new_order_host)
 
 
@@ -86,29 +88,10 @@ class ScratchPoisoningVerifier(LeanVerifier):
                     t[r, :, n:] = torch.empty_like(t[r, :, n:]).uniform_(-1e4, 1e4)
 
 
-class PartlyRightDrafter(Drafter):
+def partly_right(ref, d):
     """Proposes the reference continuation, wrong from slot ``sid % (k + 1)``
     on: rows accept different numbers of drafts, so lengths become ragged."""
-
-    def __init__(self, refs, wrong):
-        self.refs, self.wrong = refs, wrong
-
-    def start_batch(self, state):
-        pass
-
-    def propose(self, state, k):
-        ids = state.sample["id"].tolist()
-        out = []
-        for i, row in enumerate(state.rows):
-            sid = ids[row]
-            n = state.lengths_host[i]
-            cont = (self.refs[sid][n : n + k] + [self.wrong] * k)[:k]
-            cut = sid % (k + 1)
-            out.append(cont[:cut] + [self.wrong] * (k - cut))
-        return torch.tensor(out, dtype=torch.long).view(len(out), k), None
-
-    def reorder(self, new_order):
-        pass
+    return H.reference_drafter(H.output_tokens(ref), d.index("b0"), cut=lambda sid, k: sid % (k + 1))
 
 
 def strict_generator(model, drafter, tgt_dict, verifier, k=4, opts="default"):
@@ -121,10 +104,10 @@ def strict_generator(model, drafter, tgt_dict, verifier, k=4, opts="default"):
 @pytest.mark.parametrize("gemm", H.GEMMS)
 @pytest.mark.parametrize("opts", ["default", "max_len_3", "lenpen_unkpen_temp"])
 @pytest.mark.parametrize("bsz", [1, 3, 16])
-def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, opts, bsz, gemm):
+def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, beam1_reference, tiny_drafter, opts, bsz, gemm):
     model, task = verifier
     d = task.target_dictionary
-    ref = run_generator(seq_gen(model, d, OPTION_SETS[opts]), model, H.batches(task, "test", bsz))
+    ref = beam1_reference(opts, bsz)
     H.skip_unless_gemm(gemm)
     paired = PairedVerifier(model, gemm)
     assert paired.lean.gemm == gemm
@@ -132,7 +115,7 @@ def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, op
     # norms and residuals included): compared pass by pass here
     assert paired.lean.fused == (gemm == "rowgemm")
     paired.lean.temperature = paired.ref.temperature = OPTION_SETS[opts].get("temperature", 1.0)
-    drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
+    drafter = partly_right(ref, d)
     got = run_generator(strict_generator(model, drafter, d, paired, opts=opts), model, H.batches(task, "test", bsz))
     assert_identical(ref, got)
     assert paired.passes > 0
@@ -143,12 +126,12 @@ def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, tiny_drafter, op
 @pytest.mark.slow
 @pytest.mark.parametrize("gemm", H.GEMMS)
 @pytest.mark.parametrize("bsz", [1, 16])
-def test_scratch_cache_positions_never_reach_the_output(verifier, bsz, gemm):
+def test_scratch_cache_positions_never_reach_the_output(verifier, beam1_reference, bsz, gemm):
     H.skip_unless_gemm(gemm)
     model, task = verifier
     d = task.target_dictionary
-    ref = run_generator(seq_gen(model, d, OPTION_SETS["default"]), model, H.batches(task, "test", bsz))
-    drafter = PartlyRightDrafter({i: h["tokens"].tolist() for i, h in ref.items()}, wrong=d.index("b0"))
+    ref = beam1_reference("default", bsz)
+    drafter = partly_right(ref, d)
     clean = run_generator(strict_generator(model, drafter, d, LeanVerifier(model, gemm=gemm)), model, H.batches(task, "test", bsz))
     poisoned = run_generator(
         strict_generator(model, drafter, d, ScratchPoisoningVerifier(model, gemm=gemm)), model, H.batches(task, "test", bsz)

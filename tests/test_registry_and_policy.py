@@ -221,7 +221,7 @@ class OracleDrafter(Drafter):
                 out[i, : len(cont)] = torch.tensor(cont)
         return out, None
 
-    def reorder(self, new_order):
+    def reorder(self, order, order_host):
         pass
 
 
@@ -280,3 +280,26 @@ def test_registered_decoding_decodes_like_beam1(toy_bin, ar_checkpoint, oracle_p
     for i, record in H.read_stats(stats).items():
         n = len(beam1[i][1].split()) + 1  # the EOS included
         assert record["iterations"] == math.ceil(n / 5), (i, record)
+
+
+def test_the_architecture_docs_decoding_example_runs(toy_bin, untrained_verifier):
+    """docs/architecture.md's example of a new decoding: registered as
+    written, built by the task, output identical to fairseq's --beam 1."""
+    from fairseq_specdec.generation.registry import unregister_decoding
+
+    doc = (H.ROOT / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("### Adding a decoding"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```", section.index("```python\n") + 3)]
+    model = untrained_verifier
+    try:
+        exec(compile(code, "docs/architecture.md", "exec"), {})
+        cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--beam", "1", "--decoding", "repeat",
+                               "--block-size", "3", "--max-len-b", "6")
+        task = tasks.setup_task(cfg.task)
+        gen = task.build_generator([model], cfg.generation)
+        assert type(gen.drafter).__name__ == "RepeatDrafter"
+        samples = H.batches(task, "test", 8)
+        ref = run_generator(seq_gen(model, task.target_dictionary, dict(max_len_a=0, max_len_b=6, min_len=1)), model, samples)
+        assert_identical(ref, run_generator(gen, model, samples))
+    finally:
+        unregister_decoding("repeat")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_specdec.models import rowgemm
+from fairseq_specdec.utils import rowgemm
 
 needs_kernel = pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
 

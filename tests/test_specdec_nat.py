@@ -7,7 +7,7 @@ import torch
 import specdec_helpers as H
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.models import specdec_nat
-from fairseq_specdec.models.specdec_nat import mask_index
+from fairseq_specdec.utils.dictionary import mask_index
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_draft_without_scores_proposes_the_same_tokens(tiny_drafter, batch):
 
 
 def test_transposed_projection_matches_linear_and_follows_weight_updates():
-    from fairseq_specdec.models.projection import TransposedProjection
+    from fairseq_specdec.utils.projection import TransposedProjection
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(50, 8, generator=gen)
@@ -140,7 +140,7 @@ def test_transposed_weights_follow_optimizer_updates_through_data():
     """fairseq's optimizers update ``p.data`` in place: no version bump, same
     storage; the cached transposes must still follow (a stale copy would
     validate a drafter with its first weights)."""
-    from fairseq_specdec.models.projection import TransposedProjection, cached_linear, inference_scope
+    from fairseq_specdec.utils.projection import TransposedProjection, cached_linear, inference_scope
 
     gen = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(8, 50).eval()

@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import specdec_helpers as H
+from fairseq_specdec.generation.drafters import VerifierStateDrafter, drafter_for_model
 
-VSD_ARGS = [
-    "--task", "draft_verify", "--arch", "specdec_vsd", "--criterion", "glat_block",
-    "--embed-dim", "64", "--attention-heads", "2", "--ffn-embed-dim", "128",
-]
+VSD_ARGS = H.VSD_ARGS
 
 
 def test_state_block_inputs_cover_cuts_targets_and_context():
@@ -51,16 +49,6 @@ def test_state_block_inputs_sample_cuts_and_fix_them_by_draws():
     assert torch.equal(a["cuts"], b["cuts"])
     # evenly spread: three different cuts per sentence
     assert len(set(a["cuts"][:3].tolist())) == 3
-
-
-@pytest.fixture(scope="module")
-def vsd_training(toy_bin, ar_checkpoint, tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("ckpt_vsd")
-    proc = H.run([
-        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *VSD_ARGS, "--block-size", "4",
-        "--init-from-verifier", ar_checkpoint, *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
-    ])
-    return str(save_dir / "checkpoint_last.pt"), proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -105,12 +93,12 @@ def test_vsd_refuses_another_verifier(toy_bin, ar_checkpoint, vsd_training):
     verifier, task = H.load_model(ar_checkpoint, toy_bin)
     models, _ = checkpoint_utils.load_model_ensemble([vsd_training[0]], task=task)
     drafter_model = models[0].eval()
-    drafter, description = drafter_model.build_drafter(verifier)
-    assert "specdec_vsd" in description
+    drafter = drafter_for_model(drafter_model, verifier, False, "the test's drafter")
+    assert isinstance(drafter, VerifierStateDrafter) and "specdec_vsd" in drafter.describe()
     with torch.no_grad():
         verifier.decoder.output_projection.weight[5, 0] += 1.0
-    with pytest.raises(ValueError, match="trained on another verifier"):
-        drafter_model.build_drafter(verifier)
+    with pytest.raises(ValueError, match=r"the drafter \(the test.s drafter\) is a specdec_vsd drafter trained on another verifier"):
+        drafter_for_model(drafter_model, verifier, False, "the test's drafter")
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ timed one per process, scored and plotted.
 ``scripts/learning-curve.py`` is :func:`fairseq_specdec.bench.learning_curve.main`.
 
 * :mod:`.loading`  ``load_decoder``: task, models, generator and batches of one row spec
-* :mod:`.timing`   ``run_worker``: warm-up, the timed pass, statistics of the timed pass only
+* :mod:`.timing`   ``run_worker``: warm-up, the timed pass, statistics of the timed pass only (every engine's warm-up and timed loop)
 * :mod:`.worker`   the worker process (``python -m fairseq_specdec.bench.worker SPEC.json``)
 * :mod:`.workers`  ``WorkerProcess`` and ``run_specs``, the scheduler with its filler
 * :mod:`.specs`    row specs: beam 5/1, strict/relaxed per drafter, every registered decoding, sweeps

@@ -139,7 +139,7 @@ def build_parser(decodings) -> argparse.ArgumentParser:
     parser.add_argument("--data", help="binarized data directory (fairseq-preprocess output)")
     parser.add_argument("--verifier", help="verifier checkpoint (a fairseq transformer)")
     parser.add_argument("--drafter", action="append", metavar="[LABEL=]PATH",
-                        help="specdec_nat drafter checkpoint (rows strict, relaxed, and decodings that take a "
+                        help="drafter checkpoint, specdec_nat or specdec_vsd (rows strict, relaxed, and decodings that take a "
                              "drafter); repeat as LABEL=PATH for several drafters: rows strict-LABEL@bs1, ...")
     parser.add_argument("--drafter-options", action="append", metavar="LABEL=OPTIONS",
                         help="more fairseq-generate options for the rows of drafter LABEL, one string, e.g. "

@@ -33,6 +33,8 @@ import os
 import time
 from typing import Dict, List
 
+from ..utils.encoder_out import max_output_length
+
 #: row kind -> CTranslate2 compute type
 COMPUTE_TYPES = {"ct2": "float32", "ct2-int8": "int8"}
 LABELS = {kind: f"CTranslate2 greedy ({compute})" for kind, compute in COMPUTE_TYPES.items()}
@@ -101,7 +103,7 @@ def max_length(cfg, src_len: int, max_target_positions: int) -> int:
     """fairseq's ``--beam 1`` length limit for a batch whose padded source
     (EOS included) has ``src_len`` tokens."""
     gen = cfg.generation
-    return min(int(gen.max_len_a * src_len + gen.max_len_b), max_target_positions - 1)
+    return max_output_length(gen.max_len_a, gen.max_len_b, src_len, max_target_positions)
 
 
 def run_ct2_worker(spec: Dict) -> Dict:
@@ -109,7 +111,7 @@ def run_ct2_worker(spec: Dict) -> Dict:
     import ctranslate2
 
     from .loading import batch_source, setup_task
-    from .timing import decoded_result, one_token_per_step
+    from .timing import decoded_result, one_token_per_step, timed_batches, warm_up
 
     cfg, task = setup_task(spec)
     max_positions = task.max_positions()
@@ -129,19 +131,10 @@ def run_ct2_worker(spec: Dict) -> Dict:
         )
         return [r.hypotheses[0] for r in results]
 
-    done = 0
-    for sample in batches():  # warm-up, untimed
-        if done >= spec.get("warmup", 20):
-            break
-        translate(sample)
-        done += len(sample["id"])
-
+    warm_up(batches, translate, spec.get("warmup", 20))
     hyps, per_sentence_ms = {}, {}
     start = time.perf_counter()
-    for sample in batches():
-        t0 = time.perf_counter()
-        out = translate(sample)
-        dt = (time.perf_counter() - t0) * 1000.0
+    for sample, out, dt in timed_batches(batches, translate, device):
         for sid, tokens in zip(sample["id"].tolist(), out):
             hyps[sid] = target_ids(tokens, tgt_dict)
             per_sentence_ms[sid] = dt / len(out)

@@ -34,8 +34,9 @@ import sys
 import time
 from collections import defaultdict
 
+from ..models.protocol import VerifierStateDrafterModel
 from .loading import load_decoder
-from .timing import timed_batches, warm_up
+from .timing import fairseq_decode, timed_batches, warm_up
 
 
 class MissingComponent(AttributeError):
@@ -96,10 +97,11 @@ def profile(spec, components, warmup: int):
     timers = Timers()
     for component in components(generator):
         timers.wrap(*component)
-    warm_up(task, models, generator, batches, warmup)
+    decode = fairseq_decode(task, models, generator)
+    warm_up(batches, decode, warmup)
     timers.enabled = True
     total, sentences, tokens = 0.0, 0, 0
-    for _, out, ms in timed_batches(task, models, generator, batches):
+    for _, out, ms in timed_batches(batches, decode):
         total += ms
         sentences += len(out)
         tokens += sum(len(hyps[0]["tokens"]) for hyps in out)
@@ -123,7 +125,7 @@ def draft_verify_components(generator):
     model = getattr(drafter, "model", None)
     yield generator.verifier, "encode", "verifier encoder"
     yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-    if getattr(model, "reads_verifier_states", False):
+    if isinstance(model, VerifierStateDrafterModel):
         yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
         yield model, "block_states", f"{SUB}drafter block layers"
         yield drafter, "update", "drafter feedback (the verifier's state)"

@@ -208,7 +208,7 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
     import torch
 
     from ..generation.lean_verifier import resolve_gemm
-    from ..models import rowgemm
+    from ..utils import rowgemm
 
     weight = next(model.parameters())
     default = resolve_gemm("auto", weight)

@@ -16,24 +16,30 @@ def synchronizer(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def warm_up(task, models, generator, batches, sentences: int) -> None:
-    """Decode the first ``sentences`` sentences once, untimed."""
+def fairseq_decode(task, models, generator) -> Callable[[Dict], list]:
+    """``decode(sample)``: fairseq's ``task.inference_step`` with this generator."""
+    return lambda sample: task.inference_step(generator, models, sample)
+
+
+def warm_up(batches, decode: Callable[[Dict], object], sentences: int) -> None:
+    """Decode the first ``sentences`` sentences once, untimed (every engine's
+    warm-up: ``decode(sample)`` decodes one batch)."""
     done = 0
     for sample in batches():
         if done >= sentences:
             break
-        task.inference_step(generator, models, sample)
+        decode(sample)
         done += len(sample["id"])
 
 
-def timed_batches(task, models, generator, batches, device: str = "cpu") -> Iterator[Tuple[Dict, list, float]]:
-    """``(sample, output, ms)`` of every batch, each ``inference_step`` timed
+def timed_batches(batches, decode: Callable[[Dict], list], device: str = "cpu") -> Iterator[Tuple[Dict, list, float]]:
+    """``(sample, output, ms)`` of every batch, each ``decode(sample)`` timed
     alone (on cuda with the GPU synchronized on both sides)."""
     sync = synchronizer(device)
     for sample in batches():
         sync()
         t0 = time.perf_counter()
-        out = task.inference_step(generator, models, sample)
+        out = decode(sample)
         sync()
         yield sample, out, (time.perf_counter() - t0) * 1000.0
 
@@ -47,19 +53,17 @@ def reset_statistics(generator) -> None:
 
 
 def run_worker(spec: Dict) -> Dict:
-    """Decode the test set with one configuration; returns timings and hypotheses."""
-    if spec.get("engine") == "ctranslate2":  # a CTranslate2 row (fairseq_specdec.bench.ct2)
-        from .ct2 import run_ct2_worker
-
-        return run_ct2_worker(spec)
+    """Decode the test set with one fairseq configuration (the plugin's
+    decodings and fairseq's own); returns timings and hypotheses."""
     task, models, generator, batches = load_decoder(spec)
+    decode = fairseq_decode(task, models, generator)
     if spec.get("filler"):  # load for an idle core: decode until killed, report nothing
         while True:
             for sample in batches():
-                task.inference_step(generator, models, sample)
+                decode(sample)
 
     device = spec.get("device", "cpu")
-    warm_up(task, models, generator, batches, spec.get("warmup", 20))
+    warm_up(batches, decode, spec.get("warmup", 20))
     reset_statistics(generator)
     if device == "cuda":
         import torch
@@ -68,7 +72,7 @@ def run_worker(spec: Dict) -> Dict:
 
     hyps, per_sentence_ms = {}, {}
     start = time.perf_counter()
-    for sample, out, dt in timed_batches(task, models, generator, batches, device):
+    for sample, out, dt in timed_batches(batches, decode, device):
         for i, sid in enumerate(sample["id"].tolist()):
             hyps[sid] = out[i][0]["tokens"].tolist()
             per_sentence_ms[sid] = dt / len(sample["id"])

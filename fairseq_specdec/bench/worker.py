@@ -15,9 +15,11 @@ def main(argv=None) -> None:
         raise SystemExit("usage: python -m fairseq_specdec.bench.worker SPEC.json")
     with open(argv[0]) as f:
         spec = json.load(f)
-    from .timing import run_worker
-
-    result = run_worker(spec)
+    if spec.get("engine") == "ctranslate2":  # a CTranslate2 row (fairseq_specdec.bench.ct2)
+        from .ct2 import run_ct2_worker as run
+    else:
+        from .timing import run_worker as run
+    result = run(spec)
     with open(spec["result_path"], "w") as f:
         json.dump(result, f)
 

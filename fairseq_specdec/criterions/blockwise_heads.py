@@ -26,6 +26,8 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.dataclass import FairseqDataclass
 
+from ..models.protocol import BlockwiseHeadsModel
+
 
 @dataclass
 class BlockwiseHeadsConfig(FairseqDataclass):
@@ -56,7 +58,7 @@ class BlockwiseHeadsCriterion(FairseqCriterion):
         self.head_shortlist = head_shortlist
 
     def forward(self, model, sample, reduce=True):
-        if not getattr(model, "has_blockwise_heads", False):
+        if not isinstance(model, BlockwiseHeadsModel):
             raise ValueError("criterion blockwise_heads needs --arch blockwise_transformer")
         net_input = sample["net_input"]
         target = sample["target"]

@@ -1,8 +1,12 @@
 """Speculative decoding for fairseq: one loop, pluggable drafters and acceptance rules."""
 from .acceptance import StrictAcceptance, TopBetaAcceptance, build_acceptance  # noqa: F401
-from .drafters import BlockwiseHeadsDrafter, Drafter, NATBlockDrafter, NoDrafter, SourceCopyDrafter  # noqa: F401
+from .drafters import (  # noqa: F401
+    BlockwiseHeadsDrafter, Drafter, NATBlockDrafter, NoDrafter, SourceCopyDrafter, VerifierStateDrafter, drafter_for_model,
+)
 from .registry import DECODINGS, Decoding, register_decoding  # noqa: F401
 from .speculative import DraftLengthPolicy, SpeculativeGenerator  # noqa: F401
 from .state import DecodingState, Feedback  # noqa: F401
 from .stats import SentenceCounter, SpecDecStats  # noqa: F401
 from .verifier import CachedVerifier  # noqa: F401
+from .verify_pass import VerifyPass  # noqa: F401
+from .verify_passes import build_verifier  # noqa: F401

@@ -8,10 +8,11 @@ import os
 
 from fairseq import checkpoint_utils
 
-from ..models.specdec_nat import check_same_dictionary, dictionary_fingerprint
+from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
-from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter
-from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
+from ..models.protocol import BlockwiseHeadsModel, DrafterModel
+from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
+from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, get_decoding_or_none, register_decoding
 from .speculative import DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
@@ -53,7 +54,7 @@ def check_generation_options(args) -> None:
 
 
 def load_drafter(task, path: str, like):
-    """Load a specdec_nat checkpoint with the task's dictionaries; placed on the
+    """Load a drafter checkpoint (specdec_nat or specdec_vsd) with the task's dictionaries; placed on the
     device and in the dtype of ``like`` (the verifier).  The model is loaded
     once per task and file (the hub interface builds a generator at every
     ``translate()``); a file changed on disk is loaded again."""
@@ -68,7 +69,7 @@ def load_drafter(task, path: str, like):
     if drafter is None:
         models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
         drafter = models[0]
-        if not getattr(drafter, "is_block_drafter", False):
+        if not isinstance(drafter, DrafterModel):
             raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a drafter (specdec_nat or specdec_vsd)")
         for old in [k for k in cache if k[0] == real]:
             del cache[old]
@@ -78,8 +79,8 @@ def load_drafter(task, path: str, like):
 
 
 def _split_models(task, models):
-    drafters = [m for m in models if getattr(m, "is_block_drafter", False)]
-    verifiers = [m for m in models if not getattr(m, "is_block_drafter", False)]
+    drafters = [m for m in models if isinstance(m, DrafterModel)]
+    verifiers = [m for m in models if not isinstance(m, DrafterModel)]
     if not verifiers and drafters:
         raise ValueError(
             f"--path holds only a drafter ({type(drafters[0]).__name__}): the verifier, a fairseq "
@@ -115,8 +116,8 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
     )
     block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
-    drafter, description = model.build_drafter(verifier, need_scores, source)
-    return BuiltDrafter(drafter, block_size, f"{description} ({source})")
+    drafter = drafter_for_model(model, verifier, need_scores, source)
+    return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
 
 
 def _no_drafter_model(ctx: DrafterContext, what: str) -> None:
@@ -141,7 +142,7 @@ def _source_copy_drafter(ctx: DrafterContext) -> BuiltDrafter:
 def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts with the verifier's own heads")
     verifier = ctx.verifier
-    if not getattr(verifier, "has_blockwise_heads", False):
+    if not isinstance(verifier, BlockwiseHeadsModel):
         raise ValueError(
             f"--decoding blockwise needs a blockwise_transformer checkpoint in --path, got "
             f"{type(verifier).__name__}"
@@ -166,8 +167,9 @@ def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
     return BuiltDrafter(NoDrafter(), 1, "none: one verifier token per iteration")
 
 
-# the built-in decodings (other plugins register theirs the same way)
-for _decoding in (
+#: the built-in decodings (other plugins register theirs the same way); the
+#: package's ``__init__`` registers them (:func:`register_builtin_decodings`)
+BUILTIN_DECODINGS = (
     Decoding(
         "draft-verify",
         "drafts with a drafter checkpoint (--drafter-path, or --path verifier.pt:drafter.pt): the "
@@ -190,8 +192,14 @@ for _decoding in (
         "iteration (separates the loop's own speed from speculation's)",
         _no_draft, relaxed=False, bench_label="greedy in the speculative loop",
     ),
-):
-    register_decoding(_decoding)
+)
+
+
+def register_builtin_decodings() -> None:
+    """Register :data:`BUILTIN_DECODINGS` (again: a no-op when they are)."""
+    for decoding in BUILTIN_DECODINGS:
+        if get_decoding_or_none(decoding.name) is not decoding:
+            register_decoding(decoding)
 
 
 def build_speculative_generator(task, models, args) -> SpeculativeGenerator:

@@ -1,7 +1,7 @@
 """Drafters: what proposes the next k tokens in the speculative loop.
 
-A drafter is a small object the loop calls at four points; a new drafting
-method is a new class here (and one entry in
+A drafter is a small object the loop calls at four points, the one drafter
+contract; a new drafting method is a new class here (and one entry in
 :mod:`~fairseq_specdec.generation.registry`), never a new loop:
 
 * ``start_batch(state)``: once per batch, with the new
@@ -15,21 +15,29 @@ method is a new class here (and one entry in
 * ``update(state, feedback)``: after every verification, with the committed
   state and a :class:`~fairseq_specdec.generation.state.Feedback` (per-row
   drafted/accepted counts, the verifier's decoder states of the pass);
-* ``reorder(new_order)``: keep only these rows (finished rows leave); the
-  state calls it from ``keep``.
+* ``reorder(order, order_host)``: keep only these rows (finished rows
+  leave), given as a device tensor and as host ints; the state calls it from
+  ``keep`` after it has reordered itself and the verifier.
 
-Drafters read the state; they never write it.  The simpler legacy contract
-``start(net_input, bsz)`` / ``draft(tokens, lengths, k)`` still works: the
-base class's ``start_batch`` and ``propose`` call it.
+Drafters read the state; they never write it.  A drafter checkpoint (a
+:class:`~fairseq_specdec.models.protocol.DrafterModel`) becomes a drafter
+through :func:`drafter_for_model`.
 """
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ..models import rowgemm
-from ..models.projection import DerivedWeight, TransposedWeight
+from ..models.protocol import (
+    BlockwiseHeadsModel,
+    DrafterModel,
+    SourceReadingDrafterModel,
+    VerifierStateDrafterModel,
+)
+from ..utils import rowgemm
+from ..utils.dictionary import joined_dictionaries
+from ..utils.projection import DerivedWeight, TransposedWeight
 
 
 class Drafter:
@@ -42,22 +50,15 @@ class Drafter:
     max_block: Optional[int] = None
 
     def start_batch(self, state) -> None:
-        self.start(state.net_input, state.size)
+        raise NotImplementedError
 
     def propose(self, state, k: int) -> Tuple[Tensor, Optional[Tensor]]:
-        return self.draft(state.tokens, state.lengths, k)
+        raise NotImplementedError
 
     def update(self, state, feedback) -> None:
         """Called after every verification pass (see the module docstring)."""
 
-    def reorder(self, new_order: Tensor) -> None:
-        raise NotImplementedError
-
-    # legacy contract, used by the default start_batch/propose
-    def start(self, net_input, bsz: int) -> None:
-        raise NotImplementedError
-
-    def draft(self, tokens: Tensor, lengths: Tensor, k: int) -> Tuple[Tensor, Optional[Tensor]]:
+    def reorder(self, order: Tensor, order_host: List[int]) -> None:
         raise NotImplementedError
 
 
@@ -71,7 +72,7 @@ class NoDrafter(Drafter):
     def propose(self, state, k):
         return state.tokens.new_zeros((state.size, 0)), None
 
-    def reorder(self, new_order) -> None:
+    def reorder(self, order, order_host) -> None:
         pass
 
 
@@ -114,7 +115,7 @@ class NATBlockDrafter(Drafter):
     indexed past its end."""
 
     def __init__(self, model, verifier_model=None, with_scores: bool = True):
-        if not getattr(model, "is_block_drafter", False):
+        if not isinstance(model, SourceReadingDrafterModel):
             raise ValueError(f"the drafter must be a specdec_nat model, got {type(model).__name__}")
         self.model = model
         self.max_positions = model.decoder.max_positions()
@@ -124,7 +125,12 @@ class NATBlockDrafter(Drafter):
         self.with_scores = with_scores
         self.fits = None  # B bool: rows whose source the drafter reads (None: all)
 
-    def start(self, net_input, bsz: int) -> None:
+    def describe(self) -> str:
+        shared = ", sharing the verifier's encoder" if self.shares_encoder else ""
+        return f"specdec_nat drafter{shared}"
+
+    def start_batch(self, state) -> None:
+        net_input = state.net_input
         src_tokens = net_input["src_tokens"]
         pad = self.model.encoder.padding_idx
         fits = src_tokens.ne(pad).long().sum(dim=1) <= self.max_source_length
@@ -143,11 +149,11 @@ class NATBlockDrafter(Drafter):
         encoder_out = self.encoder_out if self.encoder_out is not None else state.encoder_out
         return self.model.draft(encoder_out, state.tokens[:, 1:], state.lengths, k, self.with_scores, active=self.fits)
 
-    def reorder(self, new_order):
+    def reorder(self, order, order_host):
         if self.encoder_out is not None:
-            self.encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, new_order)
+            self.encoder_out = self.model.encoder.reorder_encoder_out(self.encoder_out, order)
         if self.fits is not None:
-            self.fits = self.fits.index_select(0, new_order)
+            self.fits = self.fits.index_select(0, order)
 
 
 class SourceCopyDrafter(Drafter):
@@ -167,9 +173,9 @@ class SourceCopyDrafter(Drafter):
         self.sources = []
         self.index = []
 
-    def start(self, net_input, bsz: int) -> None:
+    def start_batch(self, state) -> None:
         self.sources, self.index = [], []
-        for row in net_input["src_tokens"].tolist():
+        for row in state.net_input["src_tokens"].tolist():
             src = [t for t in row if t != self.pad]
             if src and src[-1] == self.eos:
                 src = src[:-1]
@@ -192,8 +198,8 @@ class SourceCopyDrafter(Drafter):
                 return src[ends[0] :]
         return []
 
-    def draft(self, tokens, lengths, k):
-        lengths_host = lengths.tolist()
+    def propose(self, state, k):
+        tokens, lengths_host = state.tokens, state.lengths_host
         drafts = []
         for i, n in enumerate(lengths_host):
             suffix = tokens[i, max(1, n + 1 - self.max_ngram) : n + 1].tolist() if n > 0 else []
@@ -205,16 +211,9 @@ class SourceCopyDrafter(Drafter):
                 out[i, : len(d)] = torch.tensor(d, dtype=out.dtype)
         return out, None
 
-    def reorder(self, new_order):
-        order = new_order.tolist()
-        self.sources = [self.sources[i] for i in order]
-        self.index = [self.index[i] for i in order]
-
-
-def joined_dictionaries(model) -> bool:
-    """Whether ``model``'s encoder and decoder share one embedding (and so one
-    dictionary: source tokens are target types)."""
-    return model.encoder.embed_tokens.weight.data_ptr() == model.decoder.embed_tokens.weight.data_ptr()
+    def reorder(self, order, order_host):
+        self.sources = [self.sources[i] for i in order_host]
+        self.index = [self.index[i] for i in order_host]
 
 
 class ShortlistProjection:
@@ -230,7 +229,7 @@ class ShortlistProjection:
     every type).  The weight's layout for the frequent (or every) type is
     derived once per weight and kept while the weight is unchanged (a
     :class:`DerivedWeight`): packed for the row-blocked kernel where it runs
-    (:mod:`fairseq_specdec.models.rowgemm`; drafts may round differently, the
+    (:mod:`fairseq_specdec.utils.rowgemm`; drafts may round differently, the
     strict output cannot change), else a contiguous transpose.  Only the few
     source types outside the frequent ones are gathered per batch."""
 
@@ -298,11 +297,11 @@ class BlockwiseHeadsDrafter(Drafter):
     drafted."""
 
     def __init__(self, model, shortlist: Optional[int] = None):
-        if not getattr(model, "has_blockwise_heads", False):
+        if not isinstance(model, BlockwiseHeadsModel):
             raise ValueError(f"--decoding blockwise needs a blockwise_transformer, got {type(model).__name__}")
         self.model = model
         dictionary = model.decoder.dictionary
-        size = getattr(model, "blockwise_shortlist", 0) if shortlist is None else shortlist
+        size = model.blockwise_shortlist if shortlist is None else shortlist
         self.projection = ShortlistProjection(
             size, len(dictionary), joined_dictionaries(model), (dictionary.pad(), dictionary.bos())
         )
@@ -338,9 +337,9 @@ class BlockwiseHeadsDrafter(Drafter):
             return state.tokens.new_zeros((state.size, 0)), None
         return self.pending[:, :k], None
 
-    def reorder(self, new_order):
+    def reorder(self, order, order_host):
         if self.pending is not None:
-            self.pending = self.pending.index_select(0, new_order)
+            self.pending = self.pending.index_select(0, order)
 
 
 class VerifierStateDrafter(Drafter):
@@ -382,6 +381,24 @@ class VerifierStateDrafter(Drafter):
         lprobs, best = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
         return self.projection.types(best), lprobs
 
-    def reorder(self, new_order) -> None:
-        self.memory = self.model.select_memory(self.memory, new_order)
-        self.ctx_states = self.ctx_states.index_select(0, new_order)
+    def describe(self) -> str:
+        shortlist = self.model.cfg.shortlist
+        return f"specdec_vsd drafter reading the verifier's states (shortlist {shortlist or 'off'})"
+
+    def reorder(self, order, order_host) -> None:
+        self.memory = self.model.select_memory(self.memory, order)
+        self.ctx_states = self.ctx_states.index_select(0, order)
+
+
+def drafter_for_model(model, verifier_model, need_scores: bool, source: str) -> Drafter:
+    """The loop's drafter for a drafter checkpoint (``source``: where it came
+    from, for messages): one drafter class per kind of
+    :class:`~fairseq_specdec.models.protocol.DrafterModel`.
+    ``need_scores``: the drafts' log-probs are needed (acceptance by drafter
+    score, or a confidence cut)."""
+    if isinstance(model, VerifierStateDrafterModel):
+        return VerifierStateDrafter(model, verifier_model, model.cfg.shortlist, source)
+    if isinstance(model, SourceReadingDrafterModel):
+        return NATBlockDrafter(model, verifier_model, with_scores=need_scores)
+    kind = "a drafter of no kind the generator knows" if isinstance(model, DrafterModel) else "not a drafter"
+    raise ValueError(f"{source}: a {type(model).__name__} model is {kind} (specdec_nat or specdec_vsd)")

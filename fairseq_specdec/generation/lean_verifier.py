@@ -1,7 +1,8 @@
 """A lean verify pass: the verifier's decoder layers written out as plain
 tensor operations over a preallocated, row-indexed KV cache.
 
-:class:`~fairseq_specdec.generation.verifier.CachedVerifier` runs fairseq's own
+:class:`~fairseq_specdec.generation.verifier.CachedVerifier`, its sibling
+under :class:`~fairseq_specdec.generation.verify_pass.VerifyPass`, runs fairseq's own
 layer modules, whose incremental path costs far more than its arithmetic on a
 CPU: dictionary-held caches copied by ``torch.cat`` at every call, key padding
 masks rebuilt, the encoder attention's head-averaged weights computed and
@@ -27,9 +28,10 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from ..models import rowgemm
-from ..models.projection import transposed_linear, weights_fingerprint
-from .verifier import CachedVerifier
+from ..utils import rowgemm
+from ..utils.projection import transposed_linear, weights_fingerprint
+from ..utils.encoder_out import encoder_states
+from .verify_pass import VerifyPass
 
 #: ``--verify-gemm`` choices: how the lean pass computes its matrix products
 VERIFY_GEMMS = ("auto", "rowgemm", "torch")
@@ -174,10 +176,11 @@ def fusable_layer(layer) -> bool:
     )
 
 
-class LeanVerifier(CachedVerifier):
-    """:class:`CachedVerifier` with the lean pass (same interface, same output).
+class LeanVerifier(VerifyPass):
+    """The lean verify pass: same interface and output as its sibling
+    :class:`~fairseq_specdec.generation.verifier.CachedVerifier`.
 
-    **Cache invariant** (between two :meth:`forward` calls): for active row r
+    **Cache layout** (the invariant of :class:`VerifyPass`): for active row r
     with ``n_r = state.lengths[r]``, positions ``[0, n_r)`` of every layer's
     ``keys[l][r]`` / ``values[l][r]`` (``B x heads x capacity x head_dim``) hold
     the self-attention keys/values of ``[BOS, y_1, ..., y_{n_r - 1}]`` (every
@@ -215,7 +218,7 @@ class LeanVerifier(CachedVerifier):
     def _parameters_key(self) -> tuple:
         """Fingerprints of the weights the lean pass lays out (an optimizer's
         update through ``p.data`` changes no version counter: see
-        :mod:`fairseq_specdec.models.projection`)."""
+        :mod:`fairseq_specdec.utils.projection`)."""
         weights = [p for p in self.decoder.layers.parameters()]
         if self._projection is not None:
             proj = self.decoder.output_projection
@@ -240,7 +243,7 @@ class LeanVerifier(CachedVerifier):
     @property
     def fused(self) -> bool:
         """Whether every layer runs as one call of the C++ extension
-        (:class:`~fairseq_specdec.models.rowgemm.FusedDecoderLayer`): rowgemm
+        (:class:`~fairseq_specdec.utils.rowgemm.FusedDecoderLayer`): rowgemm
         products and layers :func:`fusable_layer` accepts."""
         return self.gemm == "rowgemm" and all(fusable_layer(layer) for layer in self.decoder.layers)
 
@@ -272,10 +275,7 @@ class LeanVerifier(CachedVerifier):
     def _prepare(self, state, width: int) -> None:
         """Encoder attention memory (once per batch) and cache capacity >= width."""
         if self.cross is None:
-            encoder_out = state.encoder_out
-            enc = encoder_out["encoder_out"][0]  # S x B x C
-            pad = encoder_out["encoder_padding_mask"]
-            pad = pad[0] if len(pad) > 0 else None
+            enc, pad = encoder_states(state.encoder_out)  # S x B x C, B x S
             self.enc_mask = pad[:, None, None, :] if pad is not None and bool(pad.any()) else None
             self.cross = []
             for lw in self.layers:
@@ -397,4 +397,3 @@ class LeanVerifier(CachedVerifier):
             self.enc_mask = self.enc_mask.index_select(0, new_order)
             if not bool(self.enc_mask.any()):
                 self.enc_mask = None
-        state.encoder_out = self.model.encoder.reorder_encoder_out(state.encoder_out, new_order)

@@ -6,7 +6,7 @@ Every iteration, for all unfinished rows of the batch at once:
    prefix; the :class:`DraftLengthPolicy` caps each row's draft (adaptive
    draft length, confidence cut);
 2. **verify**: the verifier scores ``[last accepted token] + drafts`` in one
-   pass over its KV cache (:class:`~fairseq_specdec.generation.verifier.CachedVerifier`),
+   pass over its KV cache (a :class:`~fairseq_specdec.generation.verify_pass.VerifyPass`),
    and fairseq's own ``--beam 1`` rules are applied to those log-probs (pad
    masked, ``--unkpen``, EOS forbidden before ``--min-len``, only EOS at the
    length limit); the greedy token of every slot is taken exactly as
@@ -31,11 +31,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..models.projection import inference_scope
+from ..utils.encoder_out import max_output_length
+from ..utils.projection import inference_scope
 from .drafters import Drafter
 from .stats import SpecDecStats
 from .state import DecodingState, Feedback
-from .verifier import build_verifier
+from .verify_passes import build_verifier
 
 
 class DraftLengthPolicy:
@@ -235,7 +236,7 @@ class SpeculativeGenerator:
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
         # the weights are constant while a batch decodes: cached transposes
-        # are checked once (fairseq_specdec.models.projection)
+        # are checked once (fairseq_specdec.utils.projection)
         with inference_scope():
             return self._generate(sample, prefix_tokens, constraints, bos_token)
 
@@ -247,7 +248,7 @@ class SpeculativeGenerator:
         start_time = time.perf_counter()
         src_tokens = sample["net_input"]["src_tokens"]
         bsz, src_len = src_tokens.shape[:2]
-        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        max_len = max_output_length(self.max_len_a, self.max_len_b, src_len, self.max_len)
         assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
 
         verifier = self.verifier
@@ -259,9 +260,9 @@ class SpeculativeGenerator:
             pad=self.pad,
             bos=self.eos if bos_token is None else bos_token,
             draft_k=self.policy.initial(),
+            reorder_encoder_out=verifier.reorder_encoder_out,
         )
-        state.on_keep(lambda order, order_host: verifier.reorder(state, order, order_host))
-        state.on_keep(lambda order, order_host: self.drafter.reorder(order))
+        state.attach(verifier, self.drafter)
         self.drafter.start_batch(state)
         host_checks = self.host_checks if self.host_checks is not None else state.device.type != "cuda"
         accepted: List[List[int]] = [[] for _ in range(bsz)]

@@ -4,7 +4,7 @@ One :class:`DecodingState` per ``generate()`` call owns everything that
 describes the rows still being decoded; drafters read it (never write it).
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -52,11 +52,24 @@ class DecodingState:
     * ``net_input`` is the batch as given, in its original row order (it is
       not reordered: drafters read it in ``start_batch``).
 
-    :meth:`keep` retires rows everywhere at once: these tensors, the
-    verifier's caches and the drafter's per-row state.
+    :meth:`keep` retires rows everywhere at once, in this order: the state's
+    own tensors and ``encoder_out`` (through ``reorder_encoder_out``, the
+    verifier encoder's), then the verifier's caches, then the drafter's
+    per-row state (:meth:`attach`), each given the order as a device tensor
+    and as host ints.  When the verifier and the drafter hear of it, the
+    state already describes the kept rows.
     """
 
-    def __init__(self, sample: Dict, encoder_out, width: int, pad: int, bos: int, draft_k: int):
+    def __init__(
+        self,
+        sample: Dict,
+        encoder_out,
+        width: int,
+        pad: int,
+        bos: int,
+        draft_k: int,
+        reorder_encoder_out: Optional[Callable] = None,
+    ):
         src_tokens = sample["net_input"]["src_tokens"]
         bsz = src_tokens.size(0)
         device = src_tokens.device
@@ -64,6 +77,7 @@ class DecodingState:
         self.net_input = sample["net_input"]
         self.device = device
         self.encoder_out = encoder_out
+        self._reorder_encoder_out = reorder_encoder_out
         self.tokens = torch.full((bsz, width), pad, dtype=torch.long, device=device)
         self.tokens[:, 0] = bos
         self.pos_scores = torch.zeros((bsz, width), dtype=torch.float, device=device)
@@ -72,16 +86,18 @@ class DecodingState:
         self.cum = torch.zeros(bsz, dtype=torch.float, device=device)
         self.rows: List[int] = list(range(bsz))
         self.draft_k: List[int] = [draft_k] * bsz
-        self._listeners = []
+        self._verifier = None
+        self._drafter = None
+
+    def attach(self, verifier, drafter) -> None:
+        """The verifier pass (``reorder(state, order, order_host)``) and the
+        drafter (``reorder(order, order_host)``) that :meth:`keep` tells,
+        in that order."""
+        self._verifier, self._drafter = verifier, drafter
 
     @property
     def size(self) -> int:
         return len(self.rows)
-
-    def on_keep(self, listener) -> None:
-        """``listener(order: Tensor, order_host: List[int])`` runs at every
-        :meth:`keep` (the verifier and the drafter register here)."""
-        self._listeners.append(listener)
 
     def last_tokens(self) -> Tensor:
         """B x 1: each row's newest accepted token (the BOS before any)."""
@@ -109,5 +125,9 @@ class DecodingState:
         self.lengths_host = [self.lengths_host[i] for i in keep_host]
         self.rows = [self.rows[i] for i in keep_host]
         self.draft_k = [self.draft_k[i] for i in keep_host]
-        for listener in self._listeners:
-            listener(order, keep_host)
+        if self._reorder_encoder_out is not None:
+            self.encoder_out = self._reorder_encoder_out(self.encoder_out, order)
+        if self._verifier is not None:
+            self._verifier.reorder(self, order, keep_host)
+        if self._drafter is not None:
+            self._drafter.reorder(order, keep_host)

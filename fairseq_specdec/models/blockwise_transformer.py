@@ -23,7 +23,8 @@ from fairseq.models.transformer import TransformerConfig, TransformerModel
 from fairseq.models.transformer.transformer_base import TransformerModelBase
 from fairseq.models.transformer.transformer_legacy import base_architecture
 
-from .projection import TransposedProjection
+from ..utils.projection import TransposedProjection
+from .protocol import BlockwiseHeadsModel
 
 
 @dataclass
@@ -61,9 +62,8 @@ class BlockwiseHeads(nn.Module):
 
 
 @register_model("blockwise_transformer")
-class BlockwiseTransformerModel(TransformerModel):
-    #: the blockwise heads draft for this model's own verification
-    has_blockwise_heads = True
+class BlockwiseTransformerModel(TransformerModel, BlockwiseHeadsModel):
+    """A fairseq ``transformer`` plus the heads; see the module docstring."""
 
     @classmethod
     def add_args(cls, parser):

@@ -27,7 +27,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
-from .specdec_nat import dictionary_fingerprint
+from ..utils.dictionary import dictionary_fingerprint
 
 logger = logging.getLogger(__name__)
 

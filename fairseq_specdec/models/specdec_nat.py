@@ -26,7 +26,6 @@ whose prefix plus block is longer than the table, is never drafted (its
 draft is pad: the loop takes a greedy step for it) instead of indexing past
 the table.
 """
-import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -45,31 +44,12 @@ from fairseq.models.transformer.transformer_base import Embedding
 from fairseq.modules import FairseqDropout, LayerNorm, PositionalEmbedding
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from .projection import TransposedProjection
+from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint, mask_index
+from ..utils.encoder_out import encoder_states, source_padding
+from ..utils.projection import TransposedProjection
+from .protocol import SourceReadingDrafterModel
 
 logger = logging.getLogger(__name__)
-
-
-def mask_index(dictionary) -> int:
-    """Index of the drafter's mask symbol: one past the dictionary's last type."""
-    return len(dictionary)
-
-
-def dictionary_fingerprint(dictionary) -> int:
-    """A 63-bit hash of the dictionary's symbols, in order."""
-    digest = hashlib.sha256("\n".join(dictionary.symbols).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def check_same_dictionary(drafter_fingerprint, verifier_fingerprint, drafter: str) -> None:
-    """Refuse a drafter whose target dictionary is not the verifier's (same
-    symbols in the same order), naming the drafter and the fix."""
-    if int(drafter_fingerprint) != int(verifier_fingerprint):
-        raise ValueError(
-            f"{drafter} was trained with a different target dictionary than the "
-            "verifier's: drafter and verifier must share one dictionary (binarize "
-            "the drafter's data with the verifier's dict files)"
-        )
 
 
 @dataclass
@@ -84,7 +64,7 @@ class SpecDecNATConfig(TransformerConfig):
 
 
 @register_model("specdec_nat")
-class SpecDecNATModel(TransformerModel):
+class SpecDecNATModel(TransformerModel, SourceReadingDrafterModel):
     """Encoder + bidirectional block decoder; see the module docstring."""
 
     @classmethod
@@ -139,8 +119,6 @@ class SpecDecNATModel(TransformerModel):
     def mask_idx(self) -> int:
         return self.decoder.mask_idx
 
-    #: marks models whose training inputs the ``draft_verify`` task block-masks
-    is_block_drafter = True
     #: see :meth:`freeze_encoder`
     encoder_frozen = False
 
@@ -189,15 +167,6 @@ class SpecDecNATModel(TransformerModel):
         if self.decoder.src_embedding_copy:
             limit = min(limit, self.decoder.max_positions())
         return limit
-
-    def build_drafter(self, verifier, need_scores: bool = False, source: str = "--drafter-path"):
-        """The loop's drafter for this model: ``(drafter, description)``
-        (``source``: where the drafter came from, for messages)."""
-        from ..generation.drafters import NATBlockDrafter
-
-        drafter = NATBlockDrafter(self, verifier, with_scores=need_scores)
-        shared = ", sharing the verifier's encoder" if drafter.shares_encoder else ""
-        return drafter, f"specdec_nat drafter{shared}"
 
     @torch.no_grad()
     def draft(
@@ -259,11 +228,7 @@ class SpecDecNATModel(TransformerModel):
     def _fits(self, encoder_out, prefix_lengths: Tensor, k: int) -> Tensor:
         """B bool: rows whose source and prefix + k fit the drafter's positions."""
         fits = prefix_lengths + k <= self.decoder.max_positions()
-        pad_mask = encoder_out["encoder_padding_mask"]
-        if len(pad_mask) > 0:
-            src_lengths = (~pad_mask[0]).long().sum(dim=1)
-        else:
-            src_lengths = torch.full_like(prefix_lengths, encoder_out["encoder_out"][0].size(0))
+        src_lengths = (~source_padding(encoder_out)).long().sum(dim=1)
         return fits & (src_lengths <= self.max_source_length())
 
     def _draft_rows(self, rows: Tensor, encoder_out, prefix_tokens, prefix_lengths, k: int, with_scores: bool):
@@ -330,10 +295,7 @@ class SpecDecNATDecoder(FairseqDecoder):
     def soft_copy(self, positions: Tensor, encoder_out) -> Tensor:
         """B x T x C: attention of each decoder position over the source embeddings."""
         src_embed = encoder_out["encoder_embedding"][0]  # B x S x C, scaled tokens
-        if len(encoder_out["encoder_padding_mask"]) > 0:
-            src_pad = encoder_out["encoder_padding_mask"][0]
-        else:
-            src_pad = src_embed.new_zeros(src_embed.shape[:2], dtype=torch.bool)
+        src_pad = source_padding(encoder_out)
         keys = src_embed + self._positions_from_padding(src_pad)
         query = self.copy_query(positions)
         scores = torch.bmm(query, keys.transpose(1, 2)) / math.sqrt(query.size(-1))
@@ -354,12 +316,7 @@ class SpecDecNATDecoder(FairseqDecoder):
             x = self.layernorm_embedding(x)
         x = self.dropout_module(x)
         x = x.transpose(0, 1)
-        enc = encoder_out["encoder_out"][0]
-        enc_pad = (
-            encoder_out["encoder_padding_mask"][0]
-            if len(encoder_out["encoder_padding_mask"]) > 0
-            else None
-        )
+        enc, enc_pad = encoder_states(encoder_out)
         self_pad = padding_mask if padding_mask.any() else None
         for layer in self.layers:
             x, _, _ = layer(x, enc, enc_pad, self_attn_padding_mask=self_pad)

@@ -42,9 +42,11 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
 from fairseq.modules import LayerNorm
 
-from . import rowgemm
-from .projection import cached_linear, packed_linear
-from .specdec_nat import dictionary_fingerprint, mask_index
+from ..utils import rowgemm
+from ..utils.projection import cached_linear, packed_linear
+from .protocol import VerifierStateDrafterModel
+from ..utils.dictionary import dictionary_fingerprint, mask_index
+from ..utils.encoder_out import source_padding
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class BlockLayer(nn.Module):
 
     def _fused(self, x: Tensor) -> bool:
         """Whether this pass runs as one call of the C++ extension
-        (:func:`fairseq_specdec.models.rowgemm.fused_layer`): inference in
+        (:func:`fairseq_specdec.utils.rowgemm.fused_layer`): inference in
         float32 on a CPU where the kernel runs.  Rounds a little differently
         from the operations below: drafts may change, never a strict output."""
         return (
@@ -140,13 +142,8 @@ class BlockLayer(nn.Module):
 
 
 @register_model("specdec_vsd", dataclass=SpecDecVSDConfig)
-class SpecDecVSDModel(BaseFairseqModel):
+class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
     """See the module docstring."""
-
-    #: the ``draft_verify`` task block-masks this model's training inputs
-    is_block_drafter = True
-    #: reads the verifier's states: training needs the frozen verifier (--init-from-verifier)
-    reads_verifier_states = True
 
     def __init__(self, cfg: SpecDecVSDConfig, dictionary):
         super().__init__()
@@ -245,10 +242,7 @@ class SpecDecVSDModel(BaseFairseqModel):
         keys/values per layer, the soft-copy keys and values, the mask."""
         enc = encoder_out["encoder_out"][0].transpose(0, 1)  # B x S x C
         src_embed = encoder_out["encoder_embedding"][0]  # B x S x C
-        if len(encoder_out["encoder_padding_mask"]) > 0:
-            src_pad = encoder_out["encoder_padding_mask"][0]
-        else:
-            src_pad = torch.zeros(enc.shape[:2], dtype=torch.bool, device=enc.device)
+        src_pad = source_padding(encoder_out)
         src_pos = (~src_pad).long().cumsum(1) - 1  # left or right padding alike
         return {
             "layers": [layer.memory(enc) for layer in self.layers],
@@ -318,15 +312,6 @@ class SpecDecVSDModel(BaseFairseqModel):
                 first = logits(prev_output_tokens, block_mask)
             prev_output_tokens, block_mask = glance(first)
         return logits(prev_output_tokens, block_mask), {}
-
-    def build_drafter(self, verifier, need_scores: bool = False, source: str = "--drafter-path"):
-        """``(drafter, description)``; ``source`` names where the drafter came
-        from in the refusal of a drafter trained on another verifier."""
-        from ..generation.drafters import VerifierStateDrafter
-
-        return VerifierStateDrafter(self, verifier, self.cfg.shortlist, source), (
-            f"specdec_vsd drafter reading the verifier's states (shortlist {self.cfg.shortlist or 'off'})"
-        )
 
 
 def verifier_output_weight(verifier) -> Tensor:

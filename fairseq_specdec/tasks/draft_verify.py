@@ -18,16 +18,17 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from ..generation.acceptance import VERIFY_SCORES
+from ..generation.build import build_speculative_generator
+from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
+from ..generation.stats import SentenceCounter
+from ..generation.verify_passes import VERIFY_GEMMS, VERIFY_IMPLS
+from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
+from ..models.protocol import BlockwiseHeadsModel, DrafterModel, VerifierStateDrafterModel
+from ..models.specdec_vsd import make_state_block_inputs
 from .block_inputs import make_block_inputs, sentence_draws
 
 logger = logging.getLogger(__name__)
-
-from ..generation.acceptance import VERIFY_SCORES
-from ..generation.verifier import VERIFY_IMPLS
-from ..generation.lean_verifier import VERIFY_GEMMS
-from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
-from ..generation.stats import SentenceCounter
-from ..generation import build as _builtin_decodings  # noqa: F401  (registers them)
 
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
@@ -190,10 +191,10 @@ class DraftVerifyTask(TranslationTask):
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
-        if getattr(model, "is_block_drafter", False):
+        if isinstance(model, DrafterModel):
             # overwritten by the checkpoint's value when one is loaded
             model.train_block_size.fill_(self.train_block_size)
-            if getattr(model, "reads_verifier_states", False):
+            if isinstance(model, VerifierStateDrafterModel):
                 if not from_checkpoint:
                     if not self.cfg.init_from_verifier:
                         raise ValueError(
@@ -202,8 +203,6 @@ class DraftVerifyTask(TranslationTask):
                         )
                     model.init_from_verifier(self.frozen_verifier())
             elif self.cfg.init_from_verifier and not from_checkpoint:
-                from ..models.init_from_verifier import init_drafter_from_verifier
-
                 init_drafter_from_verifier(
                     model, self.cfg.init_from_verifier, self.src_dict, self.tgt_dict
                 )
@@ -211,20 +210,18 @@ class DraftVerifyTask(TranslationTask):
                 if not hasattr(model, "freeze_encoder"):
                     raise ValueError(f"--freeze-encoder does not apply to {type(model).__name__} (it has no encoder)")
                 model.freeze_encoder()
-        elif getattr(model, "has_blockwise_heads", False):
+        elif isinstance(model, BlockwiseHeadsModel):
             if self.cfg.init_from_verifier and not from_checkpoint:
-                from ..models.init_from_verifier import init_blockwise_from_verifier
-
                 init_blockwise_from_verifier(model, self.cfg.init_from_verifier)
         elif self.cfg.init_from_verifier and not from_checkpoint:
             raise ValueError(
-                "--init-from-verifier applies to specdec_nat drafters and blockwise_transformer models"
+                "--init-from-verifier applies to drafters (specdec_nat, specdec_vsd) and blockwise_transformer models"
             )
         return model
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
         if getattr(args, "score_reference", False):
-            if any(getattr(m, "is_block_drafter", False) for m in models) or self.cfg.drafter_path:
+            if any(isinstance(m, DrafterModel) for m in models) or self.cfg.drafter_path:
                 raise ValueError(
                     "--score-reference scores the references with the verifier alone (fairseq's "
                     "scorer; a drafter cannot change a score): give only the verifier in --path, "
@@ -234,7 +231,7 @@ class DraftVerifyTask(TranslationTask):
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
         if self.cfg.decoding == AUTOREGRESSIVE:
-            if any(getattr(m, "is_block_drafter", False) for m in models):
+            if any(isinstance(m, DrafterModel) for m in models):
                 raise ValueError(
                     "a drafter was given in --path but --decoding is "
                     "'autoregressive'; use --decoding draft-verify"
@@ -243,8 +240,6 @@ class DraftVerifyTask(TranslationTask):
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
-        from ..generation.build import build_speculative_generator
-
         return build_speculative_generator(self, models, args)
 
     #: (option, default) pairs that only speculative decodings read
@@ -310,9 +305,9 @@ class DraftVerifyTask(TranslationTask):
         :func:`make_block_inputs`, and :func:`make_state_block_inputs` for
         drafters that read the verifier's states); other models get
         ``sample`` unchanged."""
-        if not getattr(model, "is_block_drafter", False) or sample is None or "target" not in sample:
+        if not isinstance(model, DrafterModel) or sample is None or "target" not in sample:
             return sample
-        if getattr(model, "reads_verifier_states", False):
+        if isinstance(model, VerifierStateDrafterModel):
             return self._add_state_block_inputs(sample, model, generator, draws)
         block = make_block_inputs(
             sample["target"], self.tgt_dict.pad(), model.mask_idx, self.train_block_size, generator, draws
@@ -323,8 +318,6 @@ class DraftVerifyTask(TranslationTask):
         return {**sample, "net_input": net_input, "block_target": block.block_target}
 
     def _add_state_block_inputs(self, sample, model, generator, draws):
-        from ..models.specdec_vsd import make_state_block_inputs
-
         verifier = self.frozen_verifier()
         param = next(model.parameters())
         if next(verifier.parameters()).device != param.device:

@@ -3,7 +3,7 @@
 On a CPU, ``F.linear(x, W)`` with a few rows ``x`` costs far more than the
 same product through a layout of ``W`` made once: a contiguous transpose for
 torch's ``addmm``, or the row-blocked kernel's packed panels
-(:mod:`fairseq_specdec.models.rowgemm`).  A speculative iteration runs its
+(:mod:`fairseq_specdec.utils.rowgemm`).  A speculative iteration runs its
 linears over a few rows, so the drafters and the verify pass compute through
 such layouts (the measurements are in docs/verify-kernels.md and
 docs/results/).  Only the exactness tests are relied on for their values.
@@ -116,7 +116,7 @@ def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     """``module(x)``, at inference (no gradients, eval mode) through a cached
     layout of its weight, kept in the module's ``__dict__`` (never saved) and
     rebuilt when the weight changes: packed for the row-blocked kernel
-    (:mod:`fairseq_specdec.models.rowgemm`) where it runs, else a contiguous
+    (:mod:`fairseq_specdec.utils.rowgemm`) where it runs, else a contiguous
     transpose (:class:`TransposedWeight`).  For drafters, whose rounding
     changes drafts, never the strict output."""
     if torch.is_grad_enabled() or module.training:
@@ -132,7 +132,7 @@ def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
 
 
 def packed_linear(module: torch.nn.Linear):
-    """The :class:`~fairseq_specdec.models.rowgemm.PackedLinear` of ``module``
+    """The :class:`~fairseq_specdec.utils.rowgemm.PackedLinear` of ``module``
     that :func:`cached_linear` computes with (the same cached layout, rebuilt
     when the weight changes); None where the kernel does not apply."""
     if not rowgemm.applies_to(module.weight):

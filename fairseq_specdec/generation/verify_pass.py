@@ -1,0 +1,162 @@
+"""What every verify pass shares: the interface the loop calls and the steps
+before and after the decoder layers.
+
+A verify pass runs the verifier's decoder over ``m`` new tokens per row
+against its own KV cache.  Two implementations are siblings under
+:class:`VerifyPass`: :class:`~fairseq_specdec.generation.verifier.CachedVerifier`
+runs fairseq's own layer modules (``--verify-impl fairseq``), and
+:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier` the same
+layers as plain tensor operations over a preallocated cache (``lean``).
+Both take their inputs from :meth:`VerifyPass._embed` and end in
+:meth:`VerifyPass._finish`, so embeddings, positions, the final norm, the
+output projection, the temperature and the log-softmax are one code.
+"""
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from fairseq.models.transformer import TransformerDecoderBase
+
+from ..utils.projection import TransposedProjection
+
+
+class VerifyPass:
+    """The verify pass's interface and shared steps.
+
+    The loop calls, per batch: :meth:`encode` and :meth:`start`; per
+    iteration: :meth:`forward` (log-probs of ``m`` new tokens per row; their
+    keys and values are appended to the cache), then :meth:`rollback` (keep
+    the accepted ones); and :meth:`reorder` when rows leave
+    (from :meth:`~fairseq_specdec.generation.state.DecodingState.keep`).
+
+    **Cache invariant** (between two :meth:`forward` calls, every
+    implementation): for every active row r of the
+    :class:`~fairseq_specdec.generation.state.DecodingState` with
+    ``n_r = state.lengths[r]`` accepted target tokens after the BOS, the
+    self-attention cache of every layer holds the keys and values of exactly
+    ``[BOS, y_1, ..., y_{n_r - 1}]``: every accepted token except the newest,
+    which is the first input of the next pass.  The encoder-decoder
+    attention memory is computed once per sentence.  The cache lengths are the
+    state's lengths: a pass keeps no copy.
+
+    ``last_features`` (B x m x C) holds the final decoder states of the last
+    pass (what drafters that read the verifier's states use)."""
+
+    #: what ``--verify-impl`` calls this implementation
+    impl = "?"
+
+    def __init__(self, model, temperature: float = 1.0):
+        decoder = model.decoder
+        if not isinstance(decoder, TransformerDecoderBase):
+            raise ValueError(
+                f"draft-verify needs a fairseq Transformer verifier, got decoder "
+                f"{type(decoder).__name__}"
+            )
+        if getattr(decoder, "adaptive_softmax", None) is not None:
+            raise ValueError("draft-verify does not support verifiers with adaptive softmax")
+        self.model = model
+        self.decoder = decoder
+        self.temperature = temperature
+        self.max_positions = decoder.max_positions()
+        param = next(model.parameters())
+        # row t = positional embedding of the token at index t (BOS at 0)
+        self.position_table: Optional[Tensor] = None
+        if decoder.embed_positions is not None:
+            n = min(self.max_positions, 4096) + 1
+            dummy = torch.full((1, n), decoder.padding_idx + 1, dtype=torch.long, device=param.device)
+            self.position_table = decoder.embed_positions(dummy)[0]
+        self.last_features: Optional[Tensor] = None
+        # fairseq's output_layer is output_projection(x) without adaptive softmax
+        projection = getattr(decoder, "output_projection", None)
+        self.vocab_size = len(decoder.dictionary)
+        self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
+
+    def describe(self) -> str:
+        """The verify pass in a few words, for the log."""
+        return self.impl
+
+    def encode(self, net_input) -> Dict[str, List[Tensor]]:
+        return self.model.encoder.forward_torchscript(net_input)
+
+    def reorder_encoder_out(self, encoder_out, order: Tensor):
+        """The encoder output of the rows in ``order`` (the state calls it
+        when rows leave, before :meth:`reorder`)."""
+        return self.model.encoder.reorder_encoder_out(encoder_out, order)
+
+    def start(self) -> None:
+        """A new batch: empty caches (subclasses empty theirs, then call this)."""
+        self.last_features = None
+
+    def _embed(self, tokens: Tensor, state) -> Tensor:
+        """B x m x C inputs of the new tokens, each at its row's absolute position."""
+        dec = self.decoder
+        x = dec.embed_scale * dec.embed_tokens(tokens)
+        if dec.quant_noise is not None:
+            x = dec.quant_noise(x)
+        if dec.project_in_dim is not None:
+            x = dec.project_in_dim(x)
+        if self.position_table is not None:
+            index = state.lengths.unsqueeze(1) + torch.arange(tokens.size(1), device=tokens.device)
+            index = index.clamp_(max=self.position_table.size(0) - 1)
+            x = x + self.position_table[index]
+        if dec.layernorm_embedding is not None:
+            x = dec.layernorm_embedding(x)
+        return dec.dropout_module(x)
+
+    def _finish(self, x: Tensor, needed: Optional[Tensor]) -> Tensor:
+        """From the last layer's output (B x m x C) to log-probs: final norm and
+        projection; the features are kept for the drafters (``last_features``)."""
+        dec = self.decoder
+        if dec.layer_norm is not None:
+            x = dec.layer_norm(x)
+        if dec.project_out_dim is not None:
+            x = dec.project_out_dim(x)
+        self.last_features = x  # B x m x C: what drafters reading the verifier's states use
+        bsz, m = x.shape[:2]
+        if needed is None:
+            return self._log_probs(x)
+        lprobs = x.new_full((bsz, m, self.vocab_size), -math.inf, dtype=torch.float)
+        lprobs[needed] = self._log_probs(x[needed]).float()
+        return lprobs
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """The verifier's output layer."""
+        dec = self.decoder
+        if self._projection is not None:
+            proj = dec.output_projection
+            return self._projection(x, proj.weight, proj.bias)
+        return dec.output_layer(x)
+
+    def _log_probs(self, x: Tensor) -> Tensor:
+        """The verifier's output layer, temperature and log-softmax."""
+        logits = self._logits(x)
+        if self.temperature != 1.0:
+            logits = logits.div_(self.temperature)
+        return self.model.get_normalized_probs((logits, None), log_probs=True)
+
+    # -- the interface each implementation provides --------------------------
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
+        """Log-probs (B x m x V, float) after each of the ``m`` new tokens.
+
+        ``tokens[r, 0]`` is row r's newest accepted token and sits at index
+        ``state.lengths[r]``; the others follow it.  Their keys/values are
+        appended to the cache; call :meth:`rollback` next.  ``needed`` (B x m
+        bool, optional): the slots whose log-probs the caller reads; the
+        others are not projected onto the vocabulary and read -inf (in a
+        ragged batch, the slots after a row's shorter draft).
+        """
+        raise NotImplementedError
+
+    def rollback(self, state, keep: Tensor, keep_host: List[int]) -> None:
+        """Keep the first ``keep[r]`` of the entries the last :meth:`forward`
+        appended for row r (the inputs that are now accepted, newest
+        excluded).  Called before ``state.commit`` of the same tokens, so
+        that afterwards the cache invariant holds for the committed state."""
+        raise NotImplementedError
+
+    def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
+        """Keep only the rows in ``new_order`` (``state`` already holds the
+        kept rows: lengths and encoder output)."""
+        raise NotImplementedError

@@ -1,0 +1,144 @@
+"""The package's layers import downwards only, and no modules import each
+other in a circle (function-level imports included).
+
+Layers, lowest first: ``utils``; ``models``; ``criterions`` and
+``generation``; ``tasks``; ``hub`` and ``bench``.  ``compat`` and the
+package's ``__init__`` (which wires the layers together) stand apart.
+"""
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fairseq_specdec"
+
+LAYERS = {"utils": 0, "models": 1, "criterions": 2, "generation": 2, "tasks": 3, "hub": 4, "bench": 4}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def package_imports(path: pathlib.Path):
+    """(imported module, line) for every import of the package in ``path``,
+    at any depth; ``from . import x`` counts as ``package.x`` when x is a module."""
+    name = module_name(path)
+    is_package = path.name == "__init__.py"
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[: len(base) - (node.level - 1)]
+                target = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("fairseq_specdec"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.append((sub if resolves(sub) else target, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.startswith("fairseq_specdec")]
+    return [(t, line) for t, line in found if t != name]
+
+
+def resolves(module: str) -> bool:
+    rel = pathlib.Path(*module.split(".")[1:])
+    return (PACKAGE / rel).with_suffix(".py").is_file() or (PACKAGE / rel / "__init__.py").is_file()
+
+
+def layer(module: str):
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def graph():
+    edges = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        edges[module_name(path)] = package_imports(path)
+    return edges
+
+
+def test_the_walk_sees_the_package():
+    """Relative imports at module and function level resolve to modules."""
+    edges = graph()
+    targets = {m: {t for t, _ in ts} for m, ts in edges.items()}
+    assert "fairseq_specdec.generation.state" in targets["fairseq_specdec.generation.speculative"]  # from .state import
+    assert "fairseq_specdec.utils.rowgemm" in targets["fairseq_specdec.generation.lean_verifier"]  # from ..utils import rowgemm
+    assert "fairseq_specdec.bench.ct2" in targets["fairseq_specdec.bench.worker"]  # inside a function
+
+
+@pytest.mark.parametrize("kind", ["upward", "cycle"])
+def test_the_checks_catch_what_they_look_for(kind):
+    """The checks below fail on a made-up graph with the fault."""
+    if kind == "upward":
+        edges = {"fairseq_specdec.models.a": [("fairseq_specdec.generation.b", 3)]}
+        assert upward_imports(edges)
+    else:
+        edges = {
+            "fairseq_specdec.bench.a": [("fairseq_specdec.bench.b", 1)],
+            "fairseq_specdec.bench.b": [("fairseq_specdec.bench.a", 2)],
+        }
+        assert find_cycle(edges)
+
+
+def upward_imports(edges):
+    bad = []
+    for module, targets in edges.items():
+        mine = layer(module)
+        if mine is None:
+            continue
+        for target, line in targets:
+            theirs = layer(target)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{module}:{line} imports {target}")
+    return bad
+
+
+def find_cycle(edges):
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = {m: WHITE for m in edges}
+    stack = []
+
+    def visit(m):
+        color[m] = GREY
+        stack.append(m)
+        for t, _ in edges.get(m, []):
+            if t not in edges:
+                continue
+            if color[t] == GREY:
+                return stack[stack.index(t):] + [t]
+            if color[t] == WHITE:
+                found = visit(t)
+                if found:
+                    return found
+        stack.pop()
+        color[m] = BLACK
+        return None
+
+    for m in edges:
+        if color[m] == WHITE:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_no_upward_imports():
+    assert upward_imports(graph()) == []
+
+
+def test_no_import_cycles():
+    # a package's __init__ importing its own modules is how packages work;
+    # only module-to-module cycles count
+    edges = {m: [(t, line) for t, line in ts if not m.startswith(t + ".") and t != m] for m, ts in graph().items()}
+    edges = {m: [(t, line) for t, line in ts if not t.startswith(m + ".")] for m, ts in edges.items()}
+    assert find_cycle(edges) is None
+
+
+def test_compat_imports_nothing_of_the_package():
+    assert graph()["fairseq_specdec.compat"] == []
