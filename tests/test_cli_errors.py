@@ -332,6 +332,23 @@ def test_vsd_block_size_beyond_its_slot_table_is_refused(toy_bin, untrained_veri
         build(toy_bin, [verifier, untrained_vsd], *DV, "--block-size", "7")
 
 
+@pytest.mark.parametrize("kernel", ["rowgemm", "none"])
+def test_vsd_default_block_size_follows_the_product_kernel(toy_bin, untrained_verifier, untrained_vsd, kernel, monkeypatch):
+    """Without --block-size: k + 1 = the row-blocked kernel's 4 rows where it
+    runs (the untrained drafter says it was trained with k = 4), else the
+    training k; an explicit --block-size always wins."""
+    from fairseq_specdec.utils import rowgemm
+
+    verifier = untrained_verifier[0]
+    if kernel == "none":
+        monkeypatch.setattr(rowgemm, "applies_to", lambda weight: False)
+    elif not rowgemm.applies_to(untrained_vsd.output_weight):
+        pytest.skip(f"the rowgemm kernel does not run here: {rowgemm.unavailable_reason()}")
+    assert int(untrained_vsd.train_block_size) == 4
+    assert build(toy_bin, [verifier, untrained_vsd], *DV).block_size == (3 if kernel == "rowgemm" else 4)
+    assert build(toy_bin, [verifier, untrained_vsd], *DV, "--block-size", "5").block_size == 5
+
+
 def test_vsd_of_another_verifier_in_path_names_path(toy_bin, untrained_vsd):
     """The refusal named --drafter-path for a drafter given in --path."""
     _, cfg = H.train_args_namespace(toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, "--cpu", "--seed", "7")

@@ -114,9 +114,9 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
     check_same_dictionary(
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
-    block_size = cfg.block_size if cfg.block_size is not None else int(model.train_block_size)
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
     drafter = drafter_for_model(model, verifier, need_scores, source)
+    block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
 
 

@@ -49,6 +49,11 @@ class Drafter:
     #: refused when the generator is built
     max_block: Optional[int] = None
 
+    def default_block(self, trained: int) -> int:
+        """k when --block-size is not given, for a drafter trained with
+        block size ``trained`` (default: ``trained``)."""
+        return trained
+
     def start_batch(self, state) -> None:
         raise NotImplementedError
 
@@ -380,6 +385,17 @@ class VerifierStateDrafter(Drafter):
         logits = self.projection(states)
         lprobs, best = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
         return self.projection.types(best), lprobs
+
+    def default_block(self, trained: int) -> int:
+        """Where the products run through the row-blocked kernel, k + 1 fits
+        its row block (k = 3: a drafting pass of 1 + k rows and a verify
+        pass of k + 1 rows each read every weight once; more rows read them
+        again, for drafts that the confidence cut mostly drops; measured in
+        docs/results/2026-11-24-c028d47-vsd-block-size.md); elsewhere the
+        training k."""
+        if rowgemm.applies_to(self.model.output_weight):
+            return max(1, min(trained, rowgemm.ROW_BLOCK - 1))
+        return trained
 
     def describe(self) -> str:
         shortlist = self.model.cfg.shortlist

@@ -32,6 +32,10 @@ except ImportError as error:  # not built: see setup.py
 else:
     _IMPORT_ERROR = None
 
+#: rows one sweep of a weight computes: a call of up to this many rows reads
+#: each weight once, one of more rows reads it once per started block
+ROW_BLOCK = 4
+
 #: fused activations of :meth:`PackedLinear.__call__`
 ACTIVATIONS = {None: 0, "relu": 1}
 
