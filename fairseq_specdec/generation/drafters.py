@@ -391,7 +391,7 @@ class VerifierStateDrafter(Drafter):
         its row block (k = 3: a drafting pass of 1 + k rows and a verify
         pass of k + 1 rows each read every weight once; more rows read them
         again, for drafts that the confidence cut mostly drops; measured in
-        docs/results/2026-11-24-c028d47-vsd-block-size.md); elsewhere the
+        docs/results/2026-11-24-ac22bea-vsd-block-size.md); elsewhere the
         training k."""
         if rowgemm.applies_to(self.model.output_weight):
             return max(1, min(trained, rowgemm.ROW_BLOCK - 1))
