@@ -56,6 +56,35 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
     assert "draft-verify strict" in proc.stdout  # the table is printed too
 
 
+def test_profile_script_profiles_loop_greedy_and_blockwise(toy_bin, ar_checkpoint, blockwise_checkpoint, tmp_path):
+    """--loop-greedy and --blockwise rows: their components and "other" add
+    up to the total; loop-greedy times no drafter, the heads update once per
+    verification."""
+    out = tmp_path / "profile.json"
+    proc = H.run([
+        H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
+        "--verifier", ar_checkpoint, "--blockwise", blockwise_checkpoint, "--loop-greedy",
+        "--limit", "20", "--warmup", "3", "--json", out,
+    ])
+    rows = json.loads(out.read_text())["rows"]
+    for decoder in ("loop-greedy", "blockwise heads strict"):
+        mine = {r["component"].split(" (")[0]: r for r in rows if r["decoder"] == decoder}
+        assert mine["total"]["calls"] == 20
+        parts = [r for name, r in mine.items() if name != "total" and not name.startswith("of which")]
+        assert sum(r["ms_per_sentence"] for r in parts) == pytest.approx(mine["total"]["ms_per_sentence"])
+        if decoder == "loop-greedy":
+            assert not any(name.startswith(("drafter", "blockwise")) for name in mine), sorted(mine)
+        else:
+            assert mine["blockwise heads"]["calls"] == mine["verifier pass"]["calls"] == mine["other"]["calls"]
+    assert "| loop-greedy | verifier pass" in proc.stdout
+
+
+def test_profile_script_needs_a_decoder_to_profile(toy_bin, ar_checkpoint):
+    proc = H.run([H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", toy_bin,
+                  "--verifier", ar_checkpoint], check=False)
+    assert proc.returncode != 0 and "--drafter, --blockwise or --loop-greedy" in proc.stderr
+
+
 def test_profile_script_accounts_for_every_millisecond(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
     """scripts/profile-draft-verify.py: per decoder, the components and
     "other" add up to the total; iterations and decoder steps are counted."""

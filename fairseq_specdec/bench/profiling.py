@@ -1,17 +1,20 @@
-"""Where decoding time goes: strict draft-verify against fairseq's greedy
+"""Where decoding time goes: the plugin's loop against fairseq's greedy
 decoder, component by component (the breakdown of Table 18 of the SpecDec ICLR 2023 submission).
 
-Both decoders are built as ``fairseq-generate`` builds them
+Every decoder is built as ``fairseq-generate`` builds it
 (:func:`fairseq_specdec.bench.loading.load_decoder`), with threads pinned, and
-decode the same sentences at batch 1 after a warm-up.  Each component is
-timed around its call:
+decodes the same sentences at batch 1 after a warm-up: fairseq's ``--beam 1``,
+then strict draft-verify with ``--drafter``, the blockwise heads of
+``--blockwise`` and greedy decoding through the loop (``--loop-greedy``), as
+given.  Each component is timed around its call:
 
 * greedy (``SequenceGenerator``, ``--beam 1``): encoder, decoder step (one
   token, vocabulary projection and log-softmax included), and everything else
   (search bookkeeping);
-* draft-verify: verifier encoder, drafter encoder (the drafter's start of a
-  batch: next to nothing when the drafter shares the verifier's encoder),
-  drafter pass (prefix + k masks, projection),
+* the plugin's loop: verifier encoder, the drafter's start of a batch (own
+  encoder, or memory from the verifier's: next to nothing when the drafter
+  shares the verifier's encoder), the drafter's pass (prefix + k masks,
+  projection; the blockwise heads' update from the verifier's state),
   verifier pass (k + 1 tokens over the KV cache), KV-cache rollback and row
   removal, and everything else (acceptance, bookkeeping, host transfers).
 
@@ -25,7 +28,8 @@ KV-cache rollback and row removal may go uncalled).
 Example (the `make demo` models):
     scripts/profile-draft-verify.py --data runs/multi30k.en-de/distill/bin \\
         --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt \\
-        --drafter runs/multi30k.en-de/drafter/checkpoint_selected.pt --limit 200
+        --drafter runs/multi30k.en-de/vsd/checkpoint_last.pt --limit 200 \\
+        --blockwise runs/multi30k.en-de/blockwise/checkpoint_best.pt --loop-greedy
 """
 import argparse
 import json
@@ -34,6 +38,7 @@ import sys
 import time
 from collections import defaultdict
 
+from ..generation.drafters import BlockwiseHeadsDrafter, NoDrafter
 from ..models.protocol import VerifierStateDrafterModel
 from .loading import load_decoder
 from .timing import fairseq_decode, timed_batches, warm_up
@@ -119,17 +124,25 @@ def greedy_components(generator):
 
 
 def draft_verify_components(generator):
-    """(object, method, name[, required]) of the speculative loop's parts."""
+    """(object, method, name[, required]) of the speculative loop's parts:
+    the drafter's (none for loop-greedy; the heads' update for blockwise
+    decoding) and the verify pass's."""
     k = generator.block_size
     drafter = generator.drafter
     model = getattr(drafter, "model", None)
     yield generator.verifier, "encode", "verifier encoder"
-    yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-    if isinstance(model, VerifierStateDrafterModel):
+    if isinstance(drafter, NoDrafter):
+        pass
+    elif isinstance(drafter, BlockwiseHeadsDrafter):
+        yield drafter, "start_batch", "drafter start of batch (the heads' layout, the shortlist)"
+        yield drafter, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
+    elif isinstance(model, VerifierStateDrafterModel):
+        yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
         yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
         yield model, "block_states", f"{SUB}drafter block layers"
         yield drafter, "update", "drafter feedback (the verifier's state)"
     else:
+        yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
         yield drafter, "propose", f"drafter pass (prefix + up to {k} masks)"
         decoder = getattr(model, "decoder", None)
         yield decoder, "output_layer", f"{SUB}drafter vocabulary projection (up to {k} rows)"
@@ -159,7 +172,9 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="binarized data directory")
     parser.add_argument("--verifier", required=True, help="verifier checkpoint")
-    parser.add_argument("--drafter", required=True, help="drafter checkpoint (specdec_nat or specdec_vsd)")
+    parser.add_argument("--drafter", help="drafter checkpoint (specdec_nat or specdec_vsd): the draft-verify row")
+    parser.add_argument("--blockwise", help="blockwise_transformer checkpoint: a blockwise-heads row")
+    parser.add_argument("--loop-greedy", action="store_true", help="also profile greedy decoding through the plugin's loop")
     parser.add_argument("--src", default="en")
     parser.add_argument("--tgt", default="de")
     parser.add_argument("--subset", default="test")
@@ -172,8 +187,10 @@ def main(argv=None):
                              "(write it with =, e.g. --extra=\"--adaptive-draft --draft-min-confidence 0.3\")")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    for path in (args.verifier, args.drafter):
-        if not os.path.exists(path):
+    if not (args.drafter or args.blockwise or args.loop_greedy):
+        parser.error("give at least one decoder to profile against fairseq's --beam 1: --drafter, --blockwise or --loop-greedy")
+    for path in (args.verifier, args.drafter, args.blockwise):
+        if path is not None and not os.path.exists(path):
             parser.error(f"no such file: {path}")
     for name, least in (("limit", 1), ("threads", 1), ("warmup", 0)):
         if getattr(args, name) < least:
@@ -182,20 +199,30 @@ def main(argv=None):
     common = dict(data=args.data, src=args.src, tgt=args.tgt, subset=args.subset, threads=args.threads,
                   limit=args.limit, batch_size=1, beam=1, device="cpu")
     greedy = dict(common, path=args.verifier, extra=["--decoding", "autoregressive"])
-    dv = dict(common, path=f"{args.verifier}:{args.drafter}", extra=["--decoding", "draft-verify"]
-              + (["--block-size", str(args.block_size)] if args.block_size else []) + args.extra.split())
+    k = ["--block-size", str(args.block_size)] if args.block_size else []
+    loops = []  # (label, spec) of the plugin's loop
+    if args.loop_greedy:
+        loops.append(("loop-greedy", dict(common, path=args.verifier, extra=["--decoding", "loop-greedy"])))
+    if args.drafter:
+        loops.append(("draft-verify strict", dict(common, path=f"{args.verifier}:{args.drafter}",
+                                                   extra=["--decoding", "draft-verify"] + k + args.extra.split())))
+    if args.blockwise:
+        loops.append(("blockwise heads strict", dict(common, path=args.blockwise,
+                                                      extra=["--decoding", "blockwise"] + k + args.extra.split())))
 
     def calls(timers, prefix):
         return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]
 
     total, n, _, timers = profile(greedy, greedy_components, args.warmup)
     rows = rows_of("fairseq beam 1", total, n, timers, calls(timers, "decoder step"))
-    total, n, tokens, timers = profile(dv, draft_verify_components, args.warmup)
-    iterations = calls(timers, "verifier pass")
-    rows += rows_of("draft-verify strict", total, n, timers, iterations)
+    summary = []
+    for label, spec in loops:
+        total, n, tokens, timers = profile(spec, draft_verify_components, args.warmup)
+        iterations = calls(timers, "verifier pass")
+        rows += rows_of(label, total, n, timers, iterations)
+        summary.append(f"{label}: {tokens} output tokens in {iterations} iterations (Tok. {tokens / max(iterations, 1):.2f})")
 
-    print(f"batch 1, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; "
-          f"draft-verify: {tokens} output tokens in {iterations} iterations (Tok. {tokens / max(iterations, 1):.2f})\n")
+    print(f"batch 1, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; " + "; ".join(summary) + "\n")
     print("| decoder | component | calls | ms/call | ms/sentence | share |")
     print("|---|---|---|---|---|---|")
     for r in rows:
