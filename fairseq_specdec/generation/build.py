@@ -12,7 +12,7 @@ from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
-from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, get_decoding_or_none, register_decoding
+from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .speculative import DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
@@ -196,10 +196,9 @@ BUILTIN_DECODINGS = (
 
 
 def register_builtin_decodings() -> None:
-    """Register :data:`BUILTIN_DECODINGS` (again: a no-op when they are)."""
+    """Register :data:`BUILTIN_DECODINGS` (the package's ``__init__`` does, once)."""
     for decoding in BUILTIN_DECODINGS:
-        if get_decoding_or_none(decoding.name) is not decoding:
-            register_decoding(decoding)
+        register_decoding(decoding)
 
 
 def build_speculative_generator(task, models, args) -> SpeculativeGenerator:

@@ -107,10 +107,6 @@ def get_decoding(name: str) -> Decoding:
         ) from None
 
 
-def get_decoding_or_none(name: str) -> Optional[Decoding]:
-    return DECODINGS.get(name)
-
-
 def decoding_help() -> str:
     lines = [f"'{AUTOREGRESSIVE}': fairseq's own SequenceGenerator"]
     lines += [f"'{d.name}': {d.help}" for d in DECODINGS.values()]

@@ -260,7 +260,6 @@ class SpeculativeGenerator:
             pad=self.pad,
             bos=self.eos if bos_token is None else bos_token,
             draft_k=self.policy.initial(),
-            reorder_encoder_out=verifier.reorder_encoder_out,
         )
         state.attach(verifier, self.drafter)
         self.drafter.start_batch(state)

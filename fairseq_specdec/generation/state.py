@@ -4,7 +4,7 @@ One :class:`DecodingState` per ``generate()`` call owns everything that
 describes the rows still being decoded; drafters read it (never write it).
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -53,10 +53,10 @@ class DecodingState:
       not reordered: drafters read it in ``start_batch``).
 
     :meth:`keep` retires rows everywhere at once, in this order: the state's
-    own tensors and ``encoder_out`` (through ``reorder_encoder_out``, the
-    verifier encoder's), then the verifier's caches, then the drafter's
-    per-row state (:meth:`attach`), each given the order as a device tensor
-    and as host ints.  When the verifier and the drafter hear of it, the
+    own tensors and ``encoder_out`` (through the attached verify pass's
+    ``reorder_encoder_out``), then the verify pass's caches, then the
+    drafter's per-row state (:meth:`attach`), each given the order as a
+    device tensor and as host ints.  When the verifier and the drafter hear of it, the
     state already describes the kept rows.
     """
 
@@ -68,7 +68,6 @@ class DecodingState:
         pad: int,
         bos: int,
         draft_k: int,
-        reorder_encoder_out: Optional[Callable] = None,
     ):
         src_tokens = sample["net_input"]["src_tokens"]
         bsz = src_tokens.size(0)
@@ -77,7 +76,6 @@ class DecodingState:
         self.net_input = sample["net_input"]
         self.device = device
         self.encoder_out = encoder_out
-        self._reorder_encoder_out = reorder_encoder_out
         self.tokens = torch.full((bsz, width), pad, dtype=torch.long, device=device)
         self.tokens[:, 0] = bos
         self.pos_scores = torch.zeros((bsz, width), dtype=torch.float, device=device)
@@ -90,9 +88,10 @@ class DecodingState:
         self._drafter = None
 
     def attach(self, verifier, drafter) -> None:
-        """The verifier pass (``reorder(state, order, order_host)``) and the
-        drafter (``reorder(order, order_host)``) that :meth:`keep` tells,
-        in that order."""
+        """The verify pass (``reorder_encoder_out(encoder_out, order)``, then
+        ``reorder(state, order, order_host)``) and the drafter
+        (``reorder(order, order_host)``) that :meth:`keep` tells, in that
+        order."""
         self._verifier, self._drafter = verifier, drafter
 
     @property
@@ -125,9 +124,8 @@ class DecodingState:
         self.lengths_host = [self.lengths_host[i] for i in keep_host]
         self.rows = [self.rows[i] for i in keep_host]
         self.draft_k = [self.draft_k[i] for i in keep_host]
-        if self._reorder_encoder_out is not None:
-            self.encoder_out = self._reorder_encoder_out(self.encoder_out, order)
         if self._verifier is not None:
+            self.encoder_out = self._verifier.reorder_encoder_out(self.encoder_out, order)
             self._verifier.reorder(self, order, keep_host)
         if self._drafter is not None:
             self._drafter.reorder(order, keep_host)
