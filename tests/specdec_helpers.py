@@ -53,8 +53,12 @@ TRUST_ENV = "SPECDEC_TRUSTED_CHECKPOINTS"
 
 
 def cli(name):
-    """A fairseq command-line tool of the running venv."""
-    return os.path.join(os.path.dirname(sys.executable), name)
+    """A fairseq command-line tool of the running venv, else the one on PATH
+    (fairseq installed with pip --target, as on the GPU kit's machine)."""
+    import shutil
+
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    return local if os.path.exists(local) else (shutil.which(name) or local)
 
 
 def subprocess_env():
@@ -355,8 +359,8 @@ def reference_drafter(refs, filler, cut=None, after_cut=None, check_prefix=False
                     tail = after_cut(sid) if after_cut is not None else filler
                     cont = cont[:c] + [tail] * (k - c)
                 out.append(cont)
-            tokens = torch.tensor(out, dtype=torch.long).view(len(out), k)
-            return tokens, (torch.zeros(tokens.shape) if with_scores else None)
+            tokens = torch.tensor(out, dtype=torch.long, device=state.device).view(len(out), k)
+            return tokens, (torch.zeros(tokens.shape, device=state.device) if with_scores else None)
 
         def reorder(self, order, order_host):
             pass

@@ -13,7 +13,6 @@ source does not have there).  Most of the output is a copy of the source.
 import os
 import random
 import subprocess
-import sys
 
 
 def translate(words):
@@ -68,8 +67,10 @@ def write_corpus(root, splits, make=make_lines):
 
 
 def binarize(raw, dest, train="train", valid="valid", tests=("test",)):
+    from specdec_helpers import cli
+
     cmd = [
-        os.path.join(os.path.dirname(sys.executable), "fairseq-preprocess"),
+        cli("fairseq-preprocess"),
         "--source-lang", "src", "--target-lang", "tgt",
         "--trainpref", os.path.join(raw, train),
         "--validpref", os.path.join(raw, valid),

@@ -241,6 +241,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         ),
         verify_impl=str(getattr(cfg, "verify_impl", "auto")),
         verify_gemm=str(getattr(cfg, "verify_gemm", "auto")),
+        cuda_graphs=str(getattr(cfg, "cuda_graphs", "auto")),
     )
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "

@@ -302,7 +302,7 @@ class LeanVerifier(VerifyPass):
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
         bsz, m = tokens.shape
         lengths_host = state.lengths_host
-        x = self._embed(tokens, state)
+        x = self._embed(tokens, state.lengths)
 
         start = lengths_host[0]
         uniform = all(n == start for n in lengths_host)

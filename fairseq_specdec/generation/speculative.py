@@ -140,13 +140,14 @@ class SpeculativeGenerator:
         draft_policy: Optional[DraftLengthPolicy] = None,
         verify_impl: str = "auto",
         verify_gemm: str = "auto",
+        cuda_graphs: str = "auto",
     ):
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
         self.policy = draft_policy or DraftLengthPolicy(block_size)
         if self.policy.k != block_size:
             raise ValueError(f"the draft policy's k ({self.policy.k}) is not --block-size {block_size}")
-        self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm)
+        self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm, cuda_graphs)
         self.drafter = drafter
         self.acceptance = acceptance
         self.block_size = block_size

@@ -41,7 +41,7 @@ class CachedVerifier(VerifyPass):
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
         dec = self.decoder
         m = tokens.size(1)
-        x = self._embed(tokens, state).transpose(0, 1)
+        x = self._embed(tokens, state.lengths).transpose(0, 1)
 
         cached = self._cache_width()
         attn_mask = None

@@ -89,8 +89,9 @@ class VerifyPass:
         """A new batch: empty caches (subclasses empty theirs, then call this)."""
         self.last_features = None
 
-    def _embed(self, tokens: Tensor, state) -> Tensor:
-        """B x m x C inputs of the new tokens, each at its row's absolute position."""
+    def _embed(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """B x m x C inputs of the new tokens, row r's first at index
+        ``lengths[r]`` (a device tensor: its row's absolute position)."""
         dec = self.decoder
         x = dec.embed_scale * dec.embed_tokens(tokens)
         if dec.quant_noise is not None:
@@ -98,7 +99,7 @@ class VerifyPass:
         if dec.project_in_dim is not None:
             x = dec.project_in_dim(x)
         if self.position_table is not None:
-            index = state.lengths.unsqueeze(1) + torch.arange(tokens.size(1), device=tokens.device)
+            index = lengths.unsqueeze(1) + torch.arange(tokens.size(1), device=tokens.device)
             index = index.clamp_(max=self.position_table.size(0) - 1)
             x = x + self.position_table[index]
         if dec.layernorm_embedding is not None:

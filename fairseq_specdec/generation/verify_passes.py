@@ -1,27 +1,50 @@
-"""Which verify pass runs: ``--verify-impl`` and ``--verify-gemm``."""
+"""Which verify pass runs: ``--verify-impl``, ``--verify-gemm`` and ``--cuda-graphs``."""
 from .lean_verifier import VERIFY_GEMMS, LeanVerifier, lean_unsupported_reason
+from .static_verifier import CUDA_GRAPHS, StaticVerifier
 from .verifier import CachedVerifier
 from .verify_pass import VerifyPass
 
 VERIFY_IMPLS = ("auto", "lean", "fairseq")
 
 
-def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: str = "auto") -> VerifyPass:
+def resolve_graphs(graphs: str, model) -> str:
+    """``--cuda-graphs``: ``auto`` is ``off`` (no measurement has shown
+    graphs winning yet; docs/gpu.md); the others are as given."""
+    if graphs not in CUDA_GRAPHS:
+        raise ValueError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {graphs!r}")
+    return "off" if graphs == "auto" else graphs
+
+
+def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: str = "auto",
+                   graphs: str = "auto") -> VerifyPass:
     """The verify pass: ``lean`` (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`,
     its products computed as ``gemm`` says: ``--verify-gemm``), ``fairseq``
     (:class:`~fairseq_specdec.generation.verifier.CachedVerifier`, fairseq's own layer modules), or ``auto``: lean
-    where it supports the verifier's layers, else fairseq's."""
+    where it supports the verifier's layers, else fairseq's.  ``graphs``
+    (``--cuda-graphs``) ``static`` or ``on``: the lean pass with static
+    shapes (:class:`~fairseq_specdec.generation.static_verifier.StaticVerifier`),
+    replayed as CUDA graphs with ``on``."""
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"--verify-impl must be one of {', '.join(VERIFY_IMPLS)}, got {impl!r}")
     if gemm not in VERIFY_GEMMS:
         raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
+    graphs = resolve_graphs(graphs, model)
+    static = graphs in ("on", "static")
     if impl == "fairseq":
         if gemm == "rowgemm":
             raise ValueError("--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq")
+        if static:
+            raise ValueError(f"--cuda-graphs {graphs} needs the lean verify pass; drop --verify-impl fairseq")
         return CachedVerifier(model, temperature)
     reason = lean_unsupported_reason(getattr(model, "decoder", None)) if impl == "auto" else None
     if reason is not None:
         if gemm == "rowgemm":
             raise ValueError(f"--verify-gemm rowgemm needs the lean verify pass, which cannot run this verifier: {reason}")
+        if static:
+            raise ValueError(f"--cuda-graphs {graphs} needs the lean verify pass, which cannot run this verifier: {reason}")
         return CachedVerifier(model, temperature)
+    if static:
+        if gemm == "rowgemm":
+            raise ValueError(f"--cuda-graphs {graphs} computes with torch's products; drop --verify-gemm rowgemm")
+        return StaticVerifier(model, temperature, graphs=graphs == "on")
     return LeanVerifier(model, temperature, gemm)

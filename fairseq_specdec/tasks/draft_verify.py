@@ -22,7 +22,7 @@ from ..generation.acceptance import VERIFY_SCORES
 from ..generation.build import build_speculative_generator
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
-from ..generation.verify_passes import VERIFY_GEMMS, VERIFY_IMPLS
+from ..generation.verify_passes import CUDA_GRAPHS, VERIFY_GEMMS, VERIFY_IMPLS
 from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel, VerifierStateDrafterModel
 from ..models.specdec_vsd import make_state_block_inputs
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
 VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
+CUDA_GRAPHS_CHOICES = ChoiceEnum(list(CUDA_GRAPHS))
 
 #: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
 #: and costs little with good ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
@@ -146,6 +147,19 @@ class DraftVerifyConfig(TranslationConfig):
             "The two round differently: see docs/verify-kernels.md for what that changed in measured output"
         },
     )
+    cuda_graphs: CUDA_GRAPHS_CHOICES = field(
+        default="auto",
+        metadata={
+            "help": "speculative decodings with the lean verify pass: 'on' runs the verify pass with "
+            "static shapes (a fixed-capacity KV cache, the source padded to a multiple of 16 tokens, "
+            "the batch to a power of two, positions and masks made on the device) and replays it as a "
+            "CUDA graph captured once per shape: one launch instead of hundreds at batch 1 (a CUDA "
+            "verifier only); 'static': the same static-shape pass without graphs, on any device; "
+            "'off': the lean pass as it is; 'auto' (default): off (see docs/gpu.md for what was "
+            "measured). Static shapes use torch's products and attend over masked positions too, which "
+            "can round differently in a near-tie"
+        },
+    )
     block_size: Optional[int] = field(
         default=None,
         metadata={
@@ -255,6 +269,7 @@ class DraftVerifyTask(TranslationTask):
         ("block_size", None),
         ("verify_impl", "auto"),
         ("verify_gemm", "auto"),
+        ("cuda_graphs", "auto"),
         ("specdec_stats", None),
     )
 

@@ -1,0 +1,250 @@
+"""The lean verify pass with static shapes, replayable as CUDA graphs.
+
+At batch 1 on a GPU a verify pass is bound by kernel launches, not by
+arithmetic: a few hundred small kernels, each launched from Python.  A CUDA
+graph launches them all at once, but only if every tensor the pass touches
+keeps its shape and its address from one pass to the next.
+:class:`StaticVerifier` is :class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`'s
+pass laid out that way (``--cuda-graphs static`` runs it eagerly, on any
+device; ``--cuda-graphs on`` captures it once per shape and replays it):
+
+* **the self-attention cache** has a fixed capacity (the batch's output
+  width rounded up to :data:`CAPACITY_STEP`), one per batch bucket; every
+  pass attends over the whole capacity, the positions past each row's
+  input masked (-inf) on the device from the row's length, so no shape
+  depends on how far decoding has got;
+* **the encoder attention's keys and values** are computed once per batch
+  (outside the graph) into a buffer of :data:`SOURCE_STEP`-rounded source
+  length, the padding masked;
+* **the batch** runs in a bucket of rows, the next power of two: a batch
+  whose rows finish moves its rows to the front of its (or a smaller)
+  bucket, and the bucket's spare rows compute values nobody reads (their
+  length is 0 and their tokens are stale, so they never index outside the
+  cache);
+* **inputs** (the new tokens and the rows' lengths) are copied into fixed
+  buffers, and **outputs** (log-probs and the final decoder states) are the
+  graph's own, read through views of the first rows.
+
+A graph is captured for each (bucket, m, source bucket) the first time it
+is met: one eager pass on a side stream (it allocates and initialises the
+libraries' workspaces), then the capture; every later pass of that shape
+replays it.  The capacity only grows: a batch that needs more frees every
+graph and buffer first.
+
+**Cache invariant**: :class:`~fairseq_specdec.generation.verify_pass.VerifyPass`'s,
+in the bucket's first ``state.size`` rows; as in the lean pass,
+:meth:`rollback` has nothing to undo.  The values are those of the lean
+pass: the same operations on the same weights, attention over more
+(masked) positions.  Masked positions add exact zeros, but a kernel may sum
+a longer row in another order, so in rare near-ties the output can differ
+from the lean pass's by a last bit; the exactness tests compare it with
+``--beam 1``.
+"""
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..utils.encoder_out import encoder_states
+from .lean_verifier import LeanVerifier
+
+#: the self-attention cache's capacity is a multiple of this
+CAPACITY_STEP = 64
+#: the encoder memory's length is a multiple of this
+SOURCE_STEP = 16
+#: ``--cuda-graphs`` choices
+CUDA_GRAPHS = ("auto", "on", "off", "static")
+
+
+def bucket_rows(n: int) -> int:
+    """The batch bucket of ``n`` rows: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+class StaticVerifier(LeanVerifier):
+    """The lean pass with static shapes; ``graphs=True`` replays each shape's
+    pass as a CUDA graph (the verifier must be on a CUDA device)."""
+
+    def __init__(self, model, temperature: float = 1.0, graphs: bool = False):
+        super().__init__(model, temperature, gemm="torch")
+        device = next(model.parameters()).device
+        if graphs and device.type != "cuda":
+            raise ValueError(
+                f"--cuda-graphs on needs the verifier on a CUDA device (it is on {device}); "
+                "--cuda-graphs static runs the same static-shape pass without graphs anywhere"
+            )
+        self.graphs = graphs
+        self.device = device
+        self.capacity = 0
+        self.rows = 0  # the batch bucket of the current batch
+        self.source = 0  # the source bucket of the current batch
+        self._caches: Dict[int, Tuple[List[Tensor], List[Tensor]]] = {}
+        self._memory: Dict[Tuple[int, int], Tuple[List[tuple], Tensor]] = {}
+        self._inputs: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
+        self._captured: Dict[Tuple[int, int, int], tuple] = {}
+        self._pool = None
+        self._laid_out = None  # the weights fingerprint the buffers and graphs were made for
+        self._dtype = None
+        #: passes run by replaying a graph, and graphs captured (for the log and the tests)
+        self.replays = 0
+        self.captures = 0
+
+    def describe(self) -> str:
+        return f"{self.impl} (static shapes{', CUDA graphs' if self.graphs else ''}, torch products)"
+
+    def _free(self) -> None:
+        """Forget every buffer and graph (the weights or the capacity changed)."""
+        self._caches.clear()
+        self._memory.clear()
+        self._inputs.clear()
+        self._captured.clear()
+
+    def start(self) -> None:
+        super().start()
+        if self._laid_out != self._weights_key:  # the weights were laid out anew: graphs read the old ones
+            self._free()
+            self._laid_out = self._weights_key
+        self.rows = 0
+
+    # -- buffers -----------------------------------------------------------
+    def _cache(self, rows: int) -> Tuple[List[Tensor], List[Tensor]]:
+        if rows not in self._caches:
+            self._caches[rows] = tuple(
+                [torch.zeros(rows, lw.heads, self.capacity, lw.head_dim, dtype=self._dtype, device=self.device)
+                 for lw in self.layers]
+                for _ in range(2)
+            )
+        return self._caches[rows]
+
+    def _memory_buffers(self, rows: int, source: int, like: Tensor) -> Tuple[List[tuple], Tensor]:
+        key = (rows, source)
+        if key not in self._memory:
+            cross = [
+                tuple(like.new_zeros(rows * lw.c_heads, source, lw.c_head_dim) for _ in range(2))
+                for lw in self.layers
+            ]
+            mask = torch.zeros(rows, 1, 1, source, dtype=torch.bool, device=self.device)
+            self._memory[key] = (cross, mask)
+        return self._memory[key]
+
+    def _input_buffers(self, rows: int, m: int) -> Tuple[Tensor, Tensor]:
+        key = (rows, m)
+        if key not in self._inputs:
+            self._inputs[key] = (
+                torch.zeros(rows, m, dtype=torch.long, device=self.device),
+                torch.zeros(rows, dtype=torch.long, device=self.device),
+            )
+        return self._inputs[key]
+
+    def _point_at(self, rows: int, source: int) -> None:
+        """The lean pass's fields (caches, encoder memory, its mask) are the buckets' buffers."""
+        self.rows, self.source = rows, source
+        self.keys, self.values = self._cache(rows)
+        self.cross, self.enc_mask = self._memory[(rows, source)]
+
+    def _start_batch(self, state) -> None:
+        """The first pass of a batch: capacity, buckets, the encoder memory."""
+        enc, pad = encoder_states(state.encoder_out)  # S x B x C, B x S
+        capacity = round_up(state.tokens.size(1), CAPACITY_STEP)
+        if capacity > self.capacity or enc.dtype != self._dtype:
+            self._free()
+            self.capacity = max(capacity, self.capacity)
+            self._dtype = enc.dtype
+        s, b = enc.size(0), enc.size(1)
+        rows, source = bucket_rows(b), round_up(s, SOURCE_STEP)
+        cross, mask = self._memory_buffers(rows, source, enc)
+        for lw, (keys, values) in zip(self.layers, cross):
+            kv = lw.ca_kv(enc).view(s, b, 2, lw.c_heads, lw.c_head_dim)
+            for j, buffer in enumerate((keys, values)):
+                view = buffer.view(rows, lw.c_heads, source, lw.c_head_dim)
+                view[:b, :, :s] = kv[:, :, j].permute(1, 2, 0, 3)
+        mask.fill_(False)
+        mask[:b, :, :, s:] = True
+        if pad is not None:
+            mask[:b, 0, 0, :s] = pad
+        self._point_at(rows, source)
+
+    # -- the pass ----------------------------------------------------------
+    def _pass(self, tokens: Tensor, lengths: Tensor) -> Tuple[Tensor, Tensor]:
+        """Log-probs and final states of the bucket's rows; only static
+        buffers in, so that it can be captured."""
+        rows, m = tokens.shape
+        x = self._embed(tokens, lengths)
+        positions = lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # rows x m
+        cols = torch.arange(self.capacity, device=tokens.device)
+        mask = x.new_zeros(rows, 1, m, self.capacity).masked_fill_(
+            (cols.view(1, 1, -1) > positions.unsqueeze(-1)).unsqueeze(1), -math.inf
+        )
+        index = torch.arange(rows, device=tokens.device).unsqueeze(1)
+        for i, lw in enumerate(self.layers):
+            x = self._layer(lw, i, x, mask, 0, self.capacity, index, positions)
+        lprobs = self._finish(x, None)
+        return lprobs, self.last_features
+
+    def _run(self, tokens: Tensor, lengths: Tensor) -> Tuple[Tensor, Tensor]:
+        if not self.graphs:
+            return self._pass(tokens, lengths)
+        key = (self.rows, tokens.size(1), self.source)
+        captured = self._captured.get(key)
+        if captured is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._pass(tokens, lengths)  # warm-up: workspaces (it writes what the replay writes again)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self._pass(tokens, lengths)
+            captured = self._captured[key] = (graph, outputs)
+            self.captures += 1
+        graph, outputs = captured
+        graph.replay()
+        self.replays += 1
+        return outputs
+
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
+        bsz, m = tokens.shape
+        if self.rows == 0:
+            self._start_batch(state)
+        inputs, lengths = self._input_buffers(self.rows, m)
+        inputs[:bsz].copy_(tokens)
+        lengths.zero_()  # spare rows: length 0, inside the cache
+        lengths[:bsz].copy_(state.lengths)
+        lprobs, features = self._run(inputs, lengths)
+        self.last_features = features[:bsz]
+        lprobs = lprobs[:bsz]
+        if needed is not None:  # as the lean pass: slots nobody reads are -inf
+            lprobs = lprobs.masked_fill(~needed.unsqueeze(-1), -math.inf)
+        return lprobs
+
+    def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
+        """Move the kept rows to the front of their bucket's buffers."""
+        n = len(new_order_host)
+        rows = bucket_rows(n)
+        width = max(state.lengths_host) if state.lengths_host else 0
+        old_keys, old_values = self.keys, self.values
+        old_cross, old_mask = self.cross, self.enc_mask
+        like = old_cross[0][0]
+        self._memory_buffers(rows, self.source, like)
+        new_keys, new_values = self._cache(rows)
+        for old, new in ((old_keys, new_keys), (old_values, new_values)):
+            for i in range(len(old)):
+                new[i][:n, :, :width] = old[i][:, :, :width].index_select(0, new_order)
+        new_cross, new_mask = self._memory[(rows, self.source)]
+        for lw, old_pair, new_pair in zip(self.layers, old_cross, new_cross):
+            for old, new in zip(old_pair, new_pair):
+                shape = (-1, lw.c_heads) + tuple(old.shape[1:])
+                new.view(shape)[:n] = old.view(shape).index_select(0, new_order)
+        kept_mask = old_mask.index_select(0, new_order)
+        new_mask.fill_(False)
+        new_mask[:n] = kept_mask
+        if self.last_features is not None:
+            self.last_features = self.last_features.index_select(0, new_order)
+        self._point_at(rows, self.source)

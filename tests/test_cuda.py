@@ -1,0 +1,50 @@
+"""Every decoding on a GPU (skipped without one): the toy models decoded on
+CUDA through the benchmark's loader (exactly as fairseq-generate builds
+them), each strict decoding compared with fairseq's --beam 1 on CUDA at
+batch 1 and 8, with and without CUDA graphs.  The count of differing
+sentences is in the failure message: on a GPU, kernels chosen by shape may
+round a near-tie differently."""
+import pytest
+import torch
+
+import specdec_helpers as H
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda.is_available() is False)"),
+]
+
+
+def decode(toy_bin, path, batch_size, *extra):
+    from fairseq_specdec.bench.loading import load_decoder
+
+    spec = dict(data=toy_bin, src="src", tgt="tgt", threads=1, device="cuda", path=path, beam=1,
+                batch_size=batch_size, extra=list(extra))
+    task, models, generator, batches = load_decoder(spec)
+    out = {}
+    for sample in batches():
+        hypos = task.inference_step(generator, models, sample)
+        for i, sid in enumerate(sample["id"].tolist()):
+            out[sid] = hypos[i][0]["tokens"].tolist()
+    return out, generator
+
+
+@pytest.mark.parametrize("bsz", [1, 8])
+def test_every_strict_decoding_on_cuda_is_beam1(toy_bin, ar_checkpoint, vsd_checkpoint, nat_checkpoint,
+                                                blockwise_checkpoint, bsz):
+    ref, _ = decode(toy_bin, ar_checkpoint, bsz, "--decoding", "autoregressive")
+    rows = {
+        "loop-greedy": (ar_checkpoint, "--decoding", "loop-greedy"),
+        "vsd": (f"{ar_checkpoint}:{vsd_checkpoint}", "--decoding", "draft-verify"),
+        "nat": (f"{ar_checkpoint}:{nat_checkpoint}", "--decoding", "draft-verify"),
+        "blockwise": (blockwise_checkpoint, "--decoding", "blockwise"),
+    }
+    differ = {}
+    for name, (path, *extra) in rows.items():
+        for graphs in ("off", "static", "on"):
+            got, generator = decode(toy_bin, path, bsz, *extra, "--cuda-graphs", graphs)
+            assert sorted(got) == sorted(ref), name
+            differ[f"{name} {graphs}"] = sum(got[i] != ref[i] for i in ref)
+            if graphs == "on":
+                assert generator.verifier.captures > 0 and generator.verifier.replays > generator.verifier.captures
+    assert not any(differ.values()), differ

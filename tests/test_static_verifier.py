@@ -1,0 +1,186 @@
+"""The static-shape verify pass (``--cuda-graphs static``, and ``on`` on a GPU).
+
+* pass by pass its log-probs and final states equal the lean pass's on the
+  same state (ragged batches, rows retiring into smaller buckets), and the
+  strict output equals fairseq's ``--beam 1``;
+* the spare rows of a bucket and the cache positions past each row's input
+  never reach the output, whatever they hold;
+* the option reaches the generator fairseq-generate builds, and what cannot
+  run is refused by name (graphs on a CPU, with fairseq's layer modules, with
+  the rowgemm kernel);
+* on a GPU (skipped without one): graphs are captured once per shape and
+  replayed, with the static pass's output.
+"""
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import OPTION_SETS, assert_identical, run_generator
+import fairseq_specdec  # noqa: F401
+from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
+from fairseq_specdec.generation.lean_verifier import LeanVerifier
+from fairseq_specdec.generation.static_verifier import StaticVerifier, bucket_rows
+from fairseq_specdec.generation.verify_passes import build_verifier
+
+
+class PairedStatic:
+    """The static pass and the lean pass side by side on the same state,
+    every pass compared; the loop follows the static one."""
+
+    def __init__(self, model):
+        self.static = StaticVerifier(model)
+        self.lean = LeanVerifier(model, gemm="torch")
+        self.passes = 0
+        self.buckets = set()
+
+    def encode(self, net_input):
+        return self.static.encode(net_input)
+
+    def reorder_encoder_out(self, encoder_out, order):
+        return self.static.reorder_encoder_out(encoder_out, order)
+
+    def start(self):
+        self.static.start()
+        self.lean.start()
+
+    def forward(self, tokens, state, needed=None):
+        got = self.static.forward(tokens, state, needed)
+        want = self.lean.forward(tokens, state, needed)
+        assert got.shape == want.shape
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        assert torch.allclose(got[finite], want[finite], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(self.static.last_features, self.lean.last_features, atol=1e-5, rtol=1e-5)
+        self.passes += 1
+        self.buckets.add((state.size, self.static.rows))
+        return got
+
+    @property
+    def last_features(self):
+        return self.static.last_features
+
+    def rollback(self, state, keep, keep_host):
+        self.static.rollback(state, keep, keep_host)
+        self.lean.rollback(state, keep, keep_host)
+
+    def reorder(self, state, new_order, new_order_host):
+        self.lean.reorder(state, new_order, new_order_host)
+        self.static.reorder(state, new_order, new_order_host)
+
+
+class SparePoisoningStatic(StaticVerifier):
+    """After every pass, fills the bucket's spare rows and every cache
+    position past each row's prefix with large finite garbage."""
+
+    def rollback(self, state, keep, keep_host):
+        super().rollback(state, keep, keep_host)
+        new_lengths = [n + k for n, k in zip(state.lengths_host, keep_host)]
+        for store in (self.keys, self.values):
+            for t in store:
+                t[state.size:] = torch.empty_like(t[state.size:]).uniform_(-1e4, 1e4)
+                for r, n in enumerate(new_lengths):
+                    t[r, :, n:] = torch.empty_like(t[r, :, n:]).uniform_(-1e4, 1e4)
+        for pair in self.cross:
+            for t in pair:
+                spare = t.view(self.rows, -1, *t.shape[1:])[state.size:]
+                spare.copy_(torch.empty_like(spare).uniform_(-1e4, 1e4))
+
+
+def partly_right(ref, d):
+    """The reference continuation, wrong from slot ``sid % (k + 1)`` on: ragged lengths."""
+    return H.reference_drafter(H.output_tokens(ref), d.index("b0"), cut=lambda sid, k: sid % (k + 1))
+
+
+def strict_generator(model, drafter, d, verifier, opts="default", k=4):
+    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), d, block_size=k, **OPTION_SETS[opts])
+    gen.verifier = verifier
+    return gen
+
+
+def test_buckets():
+    assert [bucket_rows(n) for n in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+
+
+@pytest.mark.slow  # needs the trained toy verifier
+@pytest.mark.parametrize("opts", ["default", "max_len_3", "lenpen_unkpen_temp"])
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_static_pass_equals_the_lean_pass_and_beam1(verifier, beam1_reference, opts, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference(opts, bsz)
+    paired = PairedStatic(model)
+    paired.static.temperature = paired.lean.temperature = OPTION_SETS[opts].get("temperature", 1.0)
+    got = run_generator(strict_generator(model, partly_right(ref, d), d, paired, opts), model, H.batches(task, "test", bsz))
+    assert_identical(ref, got)
+    assert paired.passes > 0
+    if bsz == 3:
+        # three rows run in a bucket of four; as rows finish they move into smaller buckets
+        assert (3, 4) in paired.buckets and any(rows < 4 for _, rows in paired.buckets)
+    assert all(bucket_rows(n) == rows for n, rows in paired.buckets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bsz", [3, 16])
+def test_spare_rows_and_scratch_never_reach_the_output(verifier, beam1_reference, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference("default", bsz)
+    drafter = partly_right(ref, d)
+    clean = run_generator(strict_generator(model, drafter, d, StaticVerifier(model)), model, H.batches(task, "test", bsz))
+    poisoned = run_generator(strict_generator(model, drafter, d, SparePoisoningStatic(model)), model,
+                             H.batches(task, "test", bsz))
+    assert_identical(clean, poisoned, atol=0)
+    assert_identical(ref, poisoned)
+
+
+def test_refusals(verifier):
+    model, _ = verifier
+    assert type(build_verifier(model, graphs="auto")) is LeanVerifier  # auto: off until measured to win
+    assert type(build_verifier(model, graphs="off")) is LeanVerifier
+    static = build_verifier(model, graphs="static", gemm="torch")
+    assert type(static) is StaticVerifier and not static.graphs
+    assert static.describe() == "lean (static shapes, torch products)"
+    with pytest.raises(ValueError, match="--cuda-graphs on needs the verifier on a CUDA device"):
+        build_verifier(model, graphs="on")
+    with pytest.raises(ValueError, match="--cuda-graphs static needs the lean verify pass; drop --verify-impl fairseq"):
+        build_verifier(model, impl="fairseq", graphs="static")
+    with pytest.raises(ValueError, match="--cuda-graphs static computes with torch's products; drop --verify-gemm rowgemm"):
+        build_verifier(model, gemm="rowgemm", graphs="static")
+    with pytest.raises(ValueError, match="--cuda-graphs must be one of"):
+        build_verifier(model, graphs="yes")
+
+
+@pytest.mark.slow
+def test_cuda_graphs_option_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
+    from fairseq import checkpoint_utils, tasks
+
+    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "draft-verify",
+                           "--drafter-path", random_drafter_checkpoint, "--beam", "1", "--cuda-graphs", "static")
+    task = tasks.setup_task(cfg.task)
+    models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
+    gen = task.build_generator(models, cfg.generation)
+    assert isinstance(gen.verifier, StaticVerifier) and not gen.verifier.graphs
+    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--cuda-graphs", "static")
+    with pytest.raises(ValueError, match="--cuda-graphs static applies to speculative decodings only"):
+        tasks.setup_task(cfg.task).build_generator(models, cfg.generation)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none visible)")
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_cuda_graphs_replay_the_static_pass(verifier, beam1_reference, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference("default", bsz)
+    import copy
+
+    from fairseq.utils import move_to_cuda
+
+    gpu_model = copy.deepcopy(model).cuda()
+    drafter = partly_right(ref, d)
+    samples = [move_to_cuda(s) for s in H.batches(task, "test", bsz)]
+    static = run_generator(strict_generator(gpu_model, drafter, d, StaticVerifier(gpu_model)), gpu_model, samples)
+    graphed = StaticVerifier(gpu_model, graphs=True)
+    got = run_generator(strict_generator(gpu_model, drafter, d, graphed), gpu_model, samples)
+    assert graphed.captures > 0 and graphed.replays > graphed.captures
+    assert_identical(static, got, atol=0)
