@@ -324,6 +324,25 @@ def test_drafter_options_reach_only_their_drafters_rows():
     assert by_name["strict-adaptive@bs1"]["extra"][-3:] == ["--adaptive-draft", "--draft-min-confidence", "0.3"]
 
 
+def test_variants_repeat_only_the_plugins_rows():
+    """--variant LABEL=OPTIONS: each row of the plugin's decodings again with
+    the options appended, named ROW+LABEL; fairseq's rows run once."""
+    variants = specs.parse_variants(["graphs=--cuda-graphs on"])
+    assert variants == [specs.Variant("graphs", ("--cuda-graphs", "on"))]
+    for bad in (["graphs"], ["=--x"], ["g=  "], ["a=--x", "a=--y"]):
+        with pytest.raises(ValueError, match="--variant"):
+            specs.parse_variants(bad)
+    build = builder(drafters=("vsd",))
+    base = build.main_rows(["beam5", "beam1", "loop-greedy", "strict", "relaxed"], [1], [1], [("5", "3")])
+    rows = {r["name"]: r for r in specs.with_variants(base, variants)}
+    assert set(rows) == {r["name"] for r in base} | {"loop-greedy+graphs@bs1", "strict-vsd+graphs@bs1",
+                                                      "b5t3-vsd+graphs@bs1"}
+    plain, graphed = rows["strict-vsd@bs1"], rows["strict-vsd+graphs@bs1"]
+    assert graphed["extra"] == plain["extra"] + ["--cuda-graphs", "on"]
+    assert graphed["label"] == plain["label"] + " [graphs]" and graphed["path"] == plain["path"]
+    assert "--cuda-graphs" not in rows["beam1@bs1"]["extra"]
+
+
 def test_roofline_command_reports_the_verify_pass_by_width():
     """scripts/roofline.py --shape demo --json: the measured cost of a verify
     pass of each width, for every product implementation this machine runs,

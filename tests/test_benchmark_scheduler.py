@@ -88,6 +88,12 @@ def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
     with pytest.raises(RuntimeError, match="failed for b"):
         benchmark.run_specs([{"name": "a"}, {"name": "b"}], jobs=2, filler={"name": "x"})
     assert fake.alive == []
+    # --keep-going: the failed row is left out and told about, the others run to the end
+    failed = []
+    out = benchmark.run_specs([{"name": "b"}, {"name": "a"}, {"name": "c"}], jobs=1,
+                              on_error=lambda spec, message: failed.append((spec["name"], message)))
+    assert list(out) == ["a", "c"] and failed == [("b", "worker failed for b")]
+    assert fake.alive == []
 
 
 @pytest.mark.parametrize("args, message", [
@@ -107,6 +113,7 @@ def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
     (["--drafter", "x=DRAFTER", "--drafter", "x=DRAFTER"], "2 drafters labelled 'x'"),
     (["--drafter", "y=missing.pt"], "no such file: missing.pt"),
     (["--user-dir", "no-such-plugin"], "--user-dir no-such-plugin: no such directory"),
+    (["--variant", "graphs"], "--variant 'graphs': expected LABEL=OPTIONS"),
 ])
 def test_bad_benchmark_options_fail_before_any_decoding(benchmark, monkeypatch, tmp_path, capsys, args, message):
     """A clear error, not a traceback or (for --jobs 0) a loop that never starts a row."""

@@ -14,7 +14,8 @@ and tokenized BLEU, peak memory (and peak GPU memory on cuda), and whether the
 output is token-identical to ``--beam 1`` at that batch size.
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (the table), hypothesis
-files, and PNG plots (per-sentence speedup distribution, latency vs batch
+files, ``rows.partial.jsonl`` (each row's figures as soon as it ends: what a
+run cut short keeps), and PNG plots (per-sentence speedup distribution, latency vs batch
 size, Tok. vs k and vs beta/tau).
 
 With ``--jobs 2`` two decoders are timed at once (one per core, one thread
@@ -45,7 +46,7 @@ from .commands import recorded_command
 from . import ct2, workers
 from .plots import make_plots
 from .scoring import read_lines, score
-from .specs import BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, resolve_rows
+from .specs import BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, parse_variants, resolve_rows, with_variants
 
 logger = logging.getLogger("benchmark")
 DEVICES = ("auto", "cpu", "cuda")
@@ -145,6 +146,10 @@ def build_parser(decodings) -> argparse.ArgumentParser:
                         help="more fairseq-generate options for the rows of drafter LABEL, one string, e.g. "
                              "--drafter-options 'vsd=--adaptive-draft --draft-min-confidence 0.3' (the same "
                              "checkpoint under two labels compares two settings)")
+    parser.add_argument("--variant", action="append", metavar="LABEL=OPTIONS",
+                        help="run every row of the plugin's decodings (not fairseq's, not CTranslate2's) again with "
+                             "more fairseq-generate options, named ROW+LABEL, e.g. --variant 'graphs=--cuda-graphs on' "
+                             "(repeatable; every row is still compared with the same beam 5 and beam 1 rows)")
     parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
     parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
                         help=f"decoders to run: {', '.join(BUILTIN_ROWS)} (strict and relaxed: draft-verify with every "
@@ -178,6 +183,10 @@ def build_parser(decodings) -> argparse.ArgumentParser:
     parser.add_argument("--relaxed-batch-sizes", default=None,
                         help="batch sizes of the relaxed rows (default: every --batch-sizes)")
     parser.add_argument("--verify-score", default="verifier", choices=["verifier", "drafter"])
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a row whose decoder fails is left out of the table (its error is logged and listed "
+                             "in results.md and results.json) instead of stopping the benchmark; beam5 and beam1 "
+                             "rows must still succeed")
     parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences in fairseq's batch order (shortest sources first)")
     parser.add_argument("--warmup", type=int, default=20, help="sentences decoded before timing")
     parser.add_argument("--sweeps", action="store_true", help="also run the batch-size, k and beta/tau sweeps for the plots")
@@ -195,6 +204,7 @@ def check_args(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} is required")
     try:
         args.drafters = parse_drafters(args.drafter, args.drafter_options)
+        args.variants = parse_variants(args.variant)
     except ValueError as e:
         parser.error(str(e))
     for path in [args.verifier, args.blockwise, args.raw_ref] + [d.path for d in args.drafters]:
@@ -219,6 +229,9 @@ def write_outputs(args, results: Dict, rows: List[Dict]) -> None:
         f.write(table + "\n\n")
         if rows:
             f.write(f"sacreBLEU signature: `{rows[0]['signature']}`\n")
+        for name, message in results.get("failed", {}).items():
+            last = message.strip().splitlines()[-1] if message.strip() else "no output"
+            f.write(f"\nRow {name} failed and is not in the table (--keep-going): `{last}`\n")
     for r in rows:
         with open(os.path.join(args.out, f"hyp.{r['name']}.txt"), "w") as f:
             for i in sorted(int(k) for k in r["text"]):
@@ -287,7 +300,7 @@ def main(argv=None):
         logger.info(f"CTranslate2: the verifier converted into {ct2_dir}")
     build = RowSpecs(common, args.verifier, args.drafters, args.blockwise, decodings,
                      verify_score=args.verify_score, block_size=args.block_size, ct2_dir=ct2_dir)
-    specs = build.main_rows(wanted, batch_sizes, relaxed_bs, grid)
+    specs = with_variants(build.main_rows(wanted, batch_sizes, relaxed_bs, grid), args.variants)
     filler = build.filler()
 
     try:
@@ -296,18 +309,34 @@ def main(argv=None):
         tqdm = None
     progress = tqdm(total=len(specs), desc="benchmark", unit="decoder") if tqdm else None
 
+    partial = os.path.join(args.out, "rows.partial.jsonl")
+    open(partial, "w").close()
+
     def finished(spec, res):
         res.update({k: spec[k] for k in ("name", "label", "decoding", "drafter", "batch_size")})
         res.update(score(res["text"], raw_ref, tok_ref, lang))
         res["sent_per_s"] = res["sentences"] / res["seconds"]
         res["ms_per_sent"] = 1000.0 * res["seconds"] / res["sentences"]
+        # each row as it ends, so that a run cut short keeps what it measured
+        with open(partial, "a") as f:
+            f.write(json.dumps({k: v for k, v in res.items() if k not in ("tokens", "text", "ms")}) + "\n")
         logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']}")
         if "summary" in res:
             logger.info(f"  {res['summary']}")
         if progress is not None:
             progress.update()
 
-    rows = list(workers.run_specs(specs, args.jobs, filler, on_result=finished).values())
+    failed = {}
+
+    def failure(spec, message):
+        failed[spec["name"]] = message[-3000:]
+        logger.error(f"{spec['name']} failed and is left out (--keep-going):\n{message[-3000:]}")
+
+    rows = list(workers.run_specs(specs, args.jobs, filler, on_result=finished,
+                                  on_error=failure if args.keep_going else None).values())
+    missing = [name for name in failed if name.split("@")[0] in ("beam5", "beam1")]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} failed: every ratio needs them")
     if progress is not None:
         progress.close()
     n_expected = rows[0]["sentences"] if rows else None
@@ -324,6 +353,7 @@ def main(argv=None):
         "jobs": args.jobs,
         "sentences": n_expected,
         "rows": rows,
+        "failed": failed,
     }
     if ct2_dir:
         import ctranslate2

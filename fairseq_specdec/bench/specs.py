@@ -88,6 +88,47 @@ def parse_drafters(values: Optional[Sequence[str]], options: Optional[Sequence[s
     return drafters
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One ``--variant LABEL=OPTIONS``: every row of the plugin's decodings
+    again, with more fairseq-generate options (``loop-greedy+LABEL@bs1``)."""
+
+    label: str
+    options: Tuple[str, ...]
+
+    @classmethod
+    def parse(cls, value: str) -> "Variant":
+        label, sep, options = value.partition("=")
+        if not sep or not LABEL.fullmatch(label) or not options.split():
+            raise ValueError(f"--variant {value!r}: expected LABEL=OPTIONS, e.g. 'graphs=--cuda-graphs on'")
+        return cls(label, tuple(options.split()))
+
+    def apply(self, spec: Dict) -> Dict:
+        name, at, where = spec["name"].partition("@")
+        return dict(spec, name=f"{name}+{self.label}{at}{where}", label=f"{spec['label']} [{self.label}]",
+                    extra=list(spec["extra"]) + list(self.options), variant=self.label)
+
+
+def parse_variants(values: Optional[Sequence[str]]) -> List[Variant]:
+    variants = [Variant.parse(v) for v in values or []]
+    labels = [v.label for v in variants]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"--variant: two variants share a label ({', '.join(labels)})")
+    return variants
+
+
+def with_variants(specs: Sequence[Dict], variants: Sequence[Variant]) -> List[Dict]:
+    """``specs``, each row of the plugin's decodings followed by itself under
+    every variant (fairseq's own rows and CTranslate2's run once: the options
+    are the plugin's)."""
+    out = []
+    for spec in specs:
+        out.append(spec)
+        if spec["decoding"] not in (AUTOREGRESSIVE, "ctranslate2"):
+            out += [variant.apply(spec) for variant in variants]
+    return out
+
+
 def row_kinds(decodings: Mapping) -> List[str]:
     builtin = BUILTIN_ROWS + OPTIONAL_ROWS
     return list(builtin) + [name for name in decodings if name not in builtin]

@@ -63,7 +63,8 @@ def check_unique_names(specs: List[Dict]) -> None:
 
 
 def run_specs(specs: List[Dict], jobs: int = 1, filler: Optional[Dict] = None,
-              on_result: Optional[Callable[[Dict, Dict], None]] = None) -> Dict[str, Dict]:
+              on_result: Optional[Callable[[Dict, Dict], None]] = None,
+              on_error: Optional[Callable[[Dict, str], None]] = None) -> Dict[str, Dict]:
     """Run every spec, ``jobs`` worker processes at a time; returns each
     spec's result under the spec's name (in spec order).  Names must be unique.
 
@@ -71,6 +72,10 @@ def run_specs(specs: List[Dict], jobs: int = 1, filler: Optional[Dict] = None,
     being timed: when fewer rows than slots are left, the free slots run the
     filler (a decoder whose output is discarded) until the last row ends, so
     every row is timed under the same load on the other cores.
+
+    A row whose worker fails stops the run (``RuntimeError`` with the
+    worker's log), unless ``on_error(spec, message)`` is given: then the row
+    is left out of the results and the others go on.
     """
     check_unique_names(specs)
     by_name = {spec["name"]: spec for spec in specs}
@@ -91,7 +96,14 @@ def run_specs(specs: List[Dict], jobs: int = 1, filler: Optional[Dict] = None,
                 time.sleep(0.2)
                 continue
             for name in finished:
-                results[name] = running.pop(name).result()
+                try:
+                    results[name] = running.pop(name).result()
+                except RuntimeError as error:
+                    if on_error is None:
+                        raise
+                    on_error(by_name[name], str(error))
+                    del results[name]
+                    continue
                 if on_result is not None:
                     on_result(by_name[name], results[name])
     finally:
