@@ -41,10 +41,12 @@ def test_every_strict_decoding_on_cuda_is_beam1(toy_bin, ar_checkpoint, vsd_chec
     }
     differ = {}
     for name, (path, *extra) in rows.items():
-        for graphs in ("off", "static", "on"):
+        for graphs in ("off", "static", "on", "auto"):
             got, generator = decode(toy_bin, path, bsz, *extra, "--cuda-graphs", graphs)
             assert sorted(got) == sorted(ref), name
             differ[f"{name} {graphs}"] = sum(got[i] != ref[i] for i in ref)
-            if graphs == "on":
+            if graphs == "on" or (graphs == "auto" and bsz == 1):
                 assert generator.verifier.captures > 0 and generator.verifier.replays > generator.verifier.captures
+            if graphs == "auto" and bsz > 1:  # graphs at batch 1 only
+                assert generator.verifier.captures == 0
     assert not any(differ.values()), differ

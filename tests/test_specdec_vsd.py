@@ -85,6 +85,23 @@ def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz
 
 
 @pytest.mark.slow
+def test_vsd_trains_in_half_precision_beside_its_float32_verifier(toy_bin, vsd_training):
+    """fairseq-train --fp16 casts the drafter to float16, not the frozen
+    verifier it reads (it ran on a GPU: "expected mat1 and mat2 to have the
+    same dtype"); a training step computes its loss."""
+    from fairseq import checkpoint_utils
+
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([vsd_training[0]], arg_overrides={"data": toy_bin})
+    drafter = models[0].half().train()
+    criterion = task.build_criterion(cfg.criterion)
+    task.load_dataset("valid")
+    sample = H.batches(task, "valid", 8)[0]
+    assert next(task.frozen_verifier().parameters()).dtype == torch.float32
+    loss, sample_size, _ = criterion(drafter, task.add_block_inputs(sample, drafter))
+    assert torch.isfinite(loss) and sample_size > 0
+
+
+@pytest.mark.slow
 def test_vsd_refuses_another_verifier(toy_bin, ar_checkpoint, vsd_training):
     """A drafter is built for the verifier it was trained on, and refused
     for a verifier whose output projection differs."""

@@ -133,6 +133,20 @@ def test_spare_rows_and_scratch_never_reach_the_output(verifier, beam1_reference
     assert_identical(ref, poisoned)
 
 
+@pytest.mark.slow
+def test_batches_over_max_rows_run_the_lean_pass_as_it_is(verifier, beam1_reference):
+    """What --cuda-graphs auto does on a GPU (max_rows 1), here without graphs."""
+    model, task = verifier
+    d = task.target_dictionary
+    for bsz, dynamic in ((1, False), (3, True)):
+        ref = beam1_reference("default", bsz)
+        static = StaticVerifier(model, max_rows=1)
+        got = run_generator(strict_generator(model, partly_right(ref, d), d, static), model, H.batches(task, "test", bsz))
+        assert_identical(ref, got)
+        assert static.dynamic == dynamic and (static.rows == 0) == dynamic
+    assert "for batches of at most 1 sentence" in static.describe()
+
+
 def test_refusals(verifier):
     model, _ = verifier
     assert type(build_verifier(model, graphs="auto")) is LeanVerifier  # auto: off until measured to win

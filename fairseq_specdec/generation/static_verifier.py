@@ -68,9 +68,14 @@ def round_up(n: int, step: int) -> int:
 
 class StaticVerifier(LeanVerifier):
     """The lean pass with static shapes; ``graphs=True`` replays each shape's
-    pass as a CUDA graph (the verifier must be on a CUDA device)."""
+    pass as a CUDA graph (the verifier must be on a CUDA device).
 
-    def __init__(self, model, temperature: float = 1.0, graphs: bool = False):
+    ``max_rows`` (None: no limit): a batch of more sentences than this runs
+    the lean pass as it is (dynamic shapes, no graphs) from its start to its
+    end; ``--cuda-graphs auto`` sets 1, the batch size where graphs were
+    measured to win."""
+
+    def __init__(self, model, temperature: float = 1.0, graphs: bool = False, max_rows: Optional[int] = None):
         super().__init__(model, temperature, gemm="torch")
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
@@ -79,6 +84,9 @@ class StaticVerifier(LeanVerifier):
                 "--cuda-graphs static runs the same static-shape pass without graphs anywhere"
             )
         self.graphs = graphs
+        self.max_rows = max_rows
+        #: this batch runs the lean pass as it is (more rows than max_rows)
+        self.dynamic = False
         self.device = device
         self.capacity = 0
         self.rows = 0  # the batch bucket of the current batch
@@ -95,7 +103,9 @@ class StaticVerifier(LeanVerifier):
         self.captures = 0
 
     def describe(self) -> str:
-        return f"{self.impl} (static shapes{', CUDA graphs' if self.graphs else ''}, torch products)"
+        graphs = ", CUDA graphs" if self.graphs else ""
+        limit = f" for batches of at most {self.max_rows} sentence(s)" if self.max_rows is not None else ""
+        return f"{self.impl} (static shapes{graphs}{limit}, torch products)"
 
     def _free(self) -> None:
         """Forget every buffer and graph (the weights or the capacity changed)."""
@@ -110,6 +120,7 @@ class StaticVerifier(LeanVerifier):
             self._free()
             self._laid_out = self._weights_key
         self.rows = 0
+        self.dynamic = False
 
     # -- buffers -----------------------------------------------------------
     def _cache(self, rows: int) -> Tuple[List[Tensor], List[Tensor]]:
@@ -211,8 +222,13 @@ class StaticVerifier(LeanVerifier):
 
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
         bsz, m = tokens.shape
-        if self.rows == 0:
-            self._start_batch(state)
+        if self.rows == 0 and not self.dynamic:
+            if self.max_rows is not None and bsz > self.max_rows:
+                self.dynamic = True
+            else:
+                self._start_batch(state)
+        if self.dynamic:
+            return super().forward(tokens, state, needed)
         inputs, lengths = self._input_buffers(self.rows, m)
         inputs[:bsz].copy_(tokens)
         lengths.zero_()  # spare rows: length 0, inside the cache
@@ -226,6 +242,8 @@ class StaticVerifier(LeanVerifier):
 
     def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
         """Move the kept rows to the front of their bucket's buffers."""
+        if self.dynamic:
+            return super().reorder(state, new_order, new_order_host)
         n = len(new_order_host)
         rows = bucket_rows(n)
         width = max(state.lengths_host) if state.lengths_host else 0

@@ -7,12 +7,14 @@ from .verify_pass import VerifyPass
 VERIFY_IMPLS = ("auto", "lean", "fairseq")
 
 
-def resolve_graphs(graphs: str, model) -> str:
-    """``--cuda-graphs``: ``auto`` is ``off`` (no measurement has shown
-    graphs winning yet; docs/gpu.md); the others are as given."""
+#: ``--cuda-graphs auto`` replays graphs for batches of at most this many
+#: sentences (where they were measured to win: docs/gpu.md)
+AUTO_GRAPH_ROWS = 1
+
+
+def check_graphs(graphs: str) -> None:
     if graphs not in CUDA_GRAPHS:
         raise ValueError(f"--cuda-graphs must be one of {', '.join(CUDA_GRAPHS)}, got {graphs!r}")
-    return "off" if graphs == "auto" else graphs
 
 
 def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: str = "auto",
@@ -23,12 +25,14 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
     where it supports the verifier's layers, else fairseq's.  ``graphs``
     (``--cuda-graphs``) ``static`` or ``on``: the lean pass with static
     shapes (:class:`~fairseq_specdec.generation.static_verifier.StaticVerifier`),
-    replayed as CUDA graphs with ``on``."""
+    replayed as CUDA graphs with ``on``; ``auto``: graphs for batches of
+    :data:`AUTO_GRAPH_ROWS` sentence where the lean pass runs a CUDA
+    verifier, the lean pass as it is otherwise."""
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"--verify-impl must be one of {', '.join(VERIFY_IMPLS)}, got {impl!r}")
     if gemm not in VERIFY_GEMMS:
         raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
-    graphs = resolve_graphs(graphs, model)
+    check_graphs(graphs)
     static = graphs in ("on", "static")
     if impl == "fairseq":
         if gemm == "rowgemm":
@@ -47,4 +51,6 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
         if gemm == "rowgemm":
             raise ValueError(f"--cuda-graphs {graphs} computes with torch's products; drop --verify-gemm rowgemm")
         return StaticVerifier(model, temperature, graphs=graphs == "on")
+    if graphs == "auto" and next(model.parameters()).device.type == "cuda" and gemm != "rowgemm":
+        return StaticVerifier(model, temperature, graphs=True, max_rows=AUTO_GRAPH_ROWS)
     return LeanVerifier(model, temperature, gemm)

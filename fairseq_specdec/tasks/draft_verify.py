@@ -155,8 +155,9 @@ class DraftVerifyConfig(TranslationConfig):
             "the batch to a power of two, positions and masks made on the device) and replays it as a "
             "CUDA graph captured once per shape: one launch instead of hundreds at batch 1 (a CUDA "
             "verifier only); 'static': the same static-shape pass without graphs, on any device; "
-            "'off': the lean pass as it is; 'auto' (default): off (see docs/gpu.md for what was "
-            "measured). Static shapes use torch's products and attend over masked positions too, which "
+            "'off': the lean pass as it is; 'auto' (default): graphs for batches of one sentence on a "
+            "CUDA verifier, where they were measured to win (docs/gpu.md), the lean pass as it is "
+            "otherwise. Static shapes use torch's products and attend over masked positions too, which "
             "can round differently in a near-tie"
         },
     )
@@ -343,6 +344,14 @@ class DraftVerifyTask(TranslationTask):
         encoder_out, features = model.verifier_states(
             verifier, net_input["src_tokens"], net_input["src_lengths"], net_input["prev_output_tokens"]
         )
+        if param.dtype != features.dtype:
+            # fairseq-train --fp16 casts the drafter, not the frozen verifier, which stays
+            # float32: its states are read in the drafter's precision
+            from fairseq.utils import apply_to_sample
+
+            encoder_out, features = apply_to_sample(
+                lambda t: t.to(param.dtype) if t.is_floating_point() else t, (encoder_out, features)
+            )
         blocks = make_state_block_inputs(
             sample["target"], self.tgt_dict.pad(), self.tgt_dict.eos(), model.mask_idx, self.train_block_size,
             model.cfg.cuts_per_sentence, generator, draws,
