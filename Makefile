@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo gec-demo clean-venv
+.PHONY: install test test-fast demo gec-demo gpu-kit clean-venv
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ demo: install $(CT2_STAMP)
 # input-guided aggressive decoding on a GEC-style corpus made from Multi30k
 gec-demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/run-gec-demo.sh
+
+# the GPU kit (.gpu-kit): the wheels a bare GPU machine lacks and the prepared
+# data, for scripts/gpu-run.sh there (docs/gpu.md)
+gpu-kit: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/gpu-kit.sh
 
 clean-venv:
 	rm -rf $(VENV)

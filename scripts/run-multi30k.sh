@@ -7,15 +7,19 @@
 # Every stage logs its progress and time, is skipped when its output exists,
 # and fairseq-train resumes from checkpoint_last.pt after an interruption.
 #
-# Usage: scripts/run-multi30k.sh [STAGE ...]   (default: all stages in order;
-#   STAGE1+STAGE2 runs stages at the same time with THREADS each, default
-#   vsd+blockwise; a training stage run alone gets SOLO_THREADS; the
+# Usage: scripts/run-multi30k.sh [--dry-run] [STAGE ...]   (default: all stages
+#   in order; STAGE1+STAGE2 runs stages at the same time with THREADS each,
+#   default vsd+blockwise; a training stage run alone gets SOLO_THREADS; the
 #   benchmark adds a blockwise row when that stage has run)
+#   --dry-run  print every command of the stages, each training with its
+#              budget, shell-quoted ("#" lines are comments), and run nothing
 # Environment: CONFIG (configs/multi30k-cpu.sh; configs/multi30k-gpu.sh trains
 #   on a GPU for far more updates: --cpu only when the config says DEVICE=cpu,
 #   the benchmark on BENCH_DEVICE), OUT (runs/multi30k.SRC-TGT),
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
-#   arguments for scripts/benchmark.py), plus every variable of the config.
+#   arguments for scripts/benchmark.py), BENCH_DIR (its results, default
+#   OUT/benchmark), ROOFLINE (1: the verify pass's CPU
+#   roofline after the benchmark; 0: none), plus every variable of the config.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CONFIG=${CONFIG:-$HERE/configs/multi30k-cpu.sh}
@@ -29,16 +33,28 @@ OUT=${OUT:-$HERE/runs/multi30k.$SRC-$TGT}
 DATA=${DATA:-$HERE/data/multi30k.$SRC-$TGT}
 PY=${PYTHON:-python}
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
-STAGES=("$@")
+STAGES=()
+DRY_RUN=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run|-n) DRY_RUN=1 ;;
+    *) STAGES+=("$arg") ;;
+  esac
+done
+export DRY_RUN
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(prepare verifier distill vsd+blockwise drafter average benchmark)
-mkdir -p "$OUT"
 T0=$(date +%s)
 LOG_TAG=multi30k
 # shellcheck source=recipe-lib.sh
 source "$HERE/scripts/recipe-lib.sh"
+# a dry run prints its log lines as comments, and each command instead of running it
+if [ "$DRY_RUN" = 1 ]; then log() { echo "# $*"; }; else mkdir -p "$OUT"; fi
+run() { if [ "$DRY_RUN" = 1 ]; then quote "$@"; echo; else "$@"; fi; }
+# have FILE: FILE exists (always true in a dry run, which prints every stage as if the earlier ones had run)
+have() { [ "$DRY_RUN" = 1 ] || [ -f "$1" ]; }
 
 stage_prepare() {
-  OUT_DIR=$DATA bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
+  run env OUT_DIR="$DATA" bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
 }
 
 stage_verifier() {
@@ -49,7 +65,8 @@ stage_verifier() {
 stage_distill() {
   log "distill: beam $DISTILL_BEAM ${DISTILL_GEN_ARGS} over train and valid, ${DISTILL_SHARDS:-2} shards in parallel"
   local cpu=1; [ "${DEVICE:-cpu}" = cpu ] || cpu=0
-  BEAM=$DISTILL_BEAM SHARDS=${DISTILL_SHARDS:-2} PARALLEL=1 THREADS=1 EXTRA_GEN_ARGS=$DISTILL_GEN_ARGS CPU=$cpu \
+  run env BEAM="$DISTILL_BEAM" SHARDS="${DISTILL_SHARDS:-2}" PARALLEL=1 THREADS=1 EXTRA_GEN_ARGS="$DISTILL_GEN_ARGS" \
+    CPU=$cpu MAX_TOKENS="${DISTILL_MAX_TOKENS:-6000}" \
     bash "$HERE/scripts/distill.sh" "$OUT/verifier/checkpoint_best.pt" "$DATA/bin" "$DATA/bpe" "$OUT/distill" "$SRC" "$TGT"
 }
 
@@ -71,10 +88,14 @@ stage_blockwise() {
 # block_acc of a drafter checkpoint on the distilled validation set (the
 # fairseq-validate log is kept next to the checkpoint); fails with the log's
 # name when no block_acc can be read from it
+validate_cmd() {
+  VALIDATE=(fairseq-validate "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" --task draft_verify --path "$1"
+            $(device_flag) --max-tokens 4096 --num-workers 0)
+}
 block_acc() {
   local log=${1%.pt}.validate.log acc
-  fairseq-validate "$OUT/distill/bin" --user-dir "$HERE/fairseq_specdec" --task draft_verify --path "$1" \
-    $(device_flag) --max-tokens 4096 --num-workers 0 > "$log" 2>&1 || true
+  validate_cmd "$1"
+  "${VALIDATE[@]}" > "$log" 2>&1 || true
   acc=$(sed -n 's/.*valid on .*| block_acc \([0-9.]*\) .*/\1/p' "$log" | tail -1)
   if [ -z "$acc" ]; then echo "no validation block_acc for $1: see $log" >&2; return 1; fi
   echo "$acc"
@@ -86,6 +107,14 @@ block_acc() {
 # (measured: 30.49 vs 32.58 after 20 minutes).  -> drafter/checkpoint_selected.pt
 stage_average() {
   local n=${AVERAGE_LAST:-5} selected=$OUT/drafter/checkpoint_last.pt
+  if [ "$DRY_RUN" = 1 ]; then
+    log "average: the drafter's last (up to) $n epoch checkpoints, kept if its validation block_acc is at least the last checkpoint's"
+    run "$PY" "$HERE/scripts/average-checkpoints.py" --inputs "$OUT/drafter" --num-epoch-checkpoints "$n" \
+      --output "$OUT/drafter/checkpoint_avg.pt"
+    for c in avg last; do validate_cmd "$OUT/drafter/checkpoint_$c.pt"; run "${VALIDATE[@]}"; done
+    run cp "$OUT/drafter/checkpoint_avg.pt" "$OUT/drafter/checkpoint_selected.pt"
+    return
+  fi
   local have; have=$(ls "$OUT/drafter" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
   [ "$have" -lt "$n" ] && n=$have
   if [ "$n" -ge 2 ]; then
@@ -106,8 +135,9 @@ stage_average() {
 
 stage_benchmark() {
   local raw; raw=$(raw_multi30k)
+  local BENCH_DIR=${BENCH_DIR:-$OUT/benchmark}
   local rows=beam5,beam1,loop-greedy,strict,relaxed drafters=(--drafter "paper=$OUT/drafter/checkpoint_selected.pt")
-  if [ -f "$OUT/vsd/checkpoint_last.pt" ]; then
+  if have "$OUT/vsd/checkpoint_last.pt"; then
     drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")  # the default drafter
     if [ "${BENCH_DIAGNOSTIC:-0}" = 1 ]; then
       # diagnostic: the same drafter with a fixed k and no confidence cut
@@ -115,7 +145,7 @@ stage_benchmark() {
     fi
   fi
   local extra=()
-  if [ -f "$OUT/blockwise/checkpoint_best.pt" ]; then
+  if have "$OUT/blockwise/checkpoint_best.pt"; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt"); rows=$rows,blockwise
   fi
   # CTranslate2's greedy decoder on the same verifier (make demo installs the
@@ -125,18 +155,25 @@ stage_benchmark() {
   else
     log "no CTranslate2 row: the ctranslate2 package is not installed (pip install -e '.[ct2]', or make demo)"
   fi
-  log "benchmark: 1,000 test sentences, every decoder, $BENCH_JOBS at a time (results in $OUT/benchmark)"
-  "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" "${extra[@]}" \
+  log "benchmark: 1,000 test sentences, every decoder, $BENCH_JOBS at a time (results in $BENCH_DIR)"
+  run "$PY" "$HERE/scripts/benchmark.py" --data "$OUT/distill/bin" --src "$SRC" --tgt "$TGT" "${extra[@]}" \
     --verifier "$OUT/verifier/checkpoint_best.pt" "${drafters[@]}" --rows "$rows" --device "${BENCH_DEVICE:-cpu}" \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
-    --out "$OUT/benchmark" --jobs "$BENCH_JOBS" --batch-sizes "${BENCH_BATCH_SIZES:-1,32}" \
+    --out "$BENCH_DIR" --jobs "$BENCH_JOBS" --batch-sizes "${BENCH_BATCH_SIZES:-1,32}" \
     --relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
-  # what a verify pass of m tokens costs on this machine, against its ideal:
-  # the answer to "when does speculation pay here" (docs/verify-kernels.md)
-  mkdir -p "$OUT/benchmark"
-  log "roofline of the verify pass, 1 thread ($OUT/benchmark/roofline.md, roofline.json)"
+  # what a verify pass of m tokens costs on this CPU, against its ideal: the
+  # answer to "when does speculation pay here" (docs/verify-kernels.md)
+  local roofline=1; [ "${BENCH_DEVICE:-cpu}" = cpu ] || roofline=0
+  [ "${ROOFLINE:-$roofline}" = 1 ] || return 0
+  log "roofline of the verify pass, 1 thread ($BENCH_DIR/roofline.md, roofline.json)"
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "$(quote "$PY" "$HERE/scripts/roofline.py" --path "$OUT/verifier/checkpoint_best.pt" --data "$OUT/distill/bin" \
+      --json-out "$BENCH_DIR/roofline.json") > $(quote "$BENCH_DIR/roofline.md")"
+    return
+  fi
+  mkdir -p "$BENCH_DIR"
   "$PY" "$HERE/scripts/roofline.py" --path "$OUT/verifier/checkpoint_best.pt" --data "$OUT/distill/bin" \
-    --json-out "$OUT/benchmark/roofline.json" > "$OUT/benchmark/roofline.md"
+    --json-out "$BENCH_DIR/roofline.json" > "$BENCH_DIR/roofline.md"
 }
 
 for group in "${STAGES[@]}"; do
@@ -160,10 +197,14 @@ for group in "${STAGES[@]}"; do
     continue
   fi
   log "stages ${parts[*]}, side by side"
+  if [ "$DRY_RUN" = 1 ]; then
+    for stage in "${parts[@]}"; do "stage_$stage"; done
+    continue
+  fi
   pids=()
   for stage in "${parts[@]}"; do "stage_$stage" & pids+=($!); done
   failed=0
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
   [ $failed = 0 ] || { log "a stage of $group failed"; exit 1; }
 done
-log "all done in $(( ($(date +%s) - T0) / 60 )) minutes"
+[ "$DRY_RUN" = 1 ] || log "all done in $(( ($(date +%s) - T0) / 60 )) minutes"

@@ -54,18 +54,21 @@ def training_outcome(log_path: str) -> Optional[Dict]:
     (None when there is no log)."""
     if not os.path.exists(log_path):
         return None
-    updates, valid, wps = 0, None, None
+    updates, valid, ups = 0, None, []
     with open(log_path, errors="replace") as f:
         for line in f:
-            m = re.search(r"\| num_updates (\d+)", line)
+            m = re.search(r"num_updates[= ](\d+)", line)
             if m:
                 updates = max(updates, int(m.group(1)))
             if "valid on 'valid' subset" in line:
-                valid = line.split("valid on 'valid' subset |", 1)[1].strip()
-            m = re.search(r"\| ups ([\d.]+)", line)
+                # its fields, without the table-breaking bars
+                valid = line.split("valid on 'valid' subset |", 1)[1].strip().replace(" | ", ", ")
+            m = re.search(r"\bups=([\d.]+)", line)
             if m and "train_inner" in line:
-                wps = float(m.group(1))
-    return {"updates": updates, "valid": valid, "updates_per_s": wps}
+                ups.append(float(m.group(1)))
+    # the median of the logged intervals (the first one includes the start-up)
+    median = sorted(ups)[len(ups) // 2] if ups else None
+    return {"updates": updates, "valid": valid, "updates_per_s": median}
 
 
 def key_ratios(results: Dict) -> List[str]:

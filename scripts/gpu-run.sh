@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# The GPU table in one command: run on a GPU machine from the checkout's root,
+# with the kit of scripts/gpu-kit.sh (make gpu-kit) in .gpu-kit beside it.
+#   setup  install the kit's wheels into SITE (--no-index --no-deps: nothing
+#          is downloaded; the machine's own torch stays), put fairseq's
+#          commands and the plugin on the paths, record the machine (env.txt)
+#   train  the Multi30k recipe's training stages with the GPU kit's budgets
+#          (configs/multi30k-gpu-kit.sh): verifier -> greedy distillation ->
+#          specdec_vsd, blockwise heads and the paper's drafter side by side
+#          on the GPU -> checkpoint averaging
+#   bench  scripts/benchmark.py on the GPU at batch 1, 8 and 64: fairseq beam
+#          5 and beam 1, loop-greedy, strict and relaxed draft-verify with
+#          both drafters, blockwise; Tok., ms/sentence, sacreBLEU, peak GPU
+#          memory, identity with --beam 1 in the same precision
+# Everything it reports goes to OUT_DIR, at most 8 files: gpu-run.log (this
+# run's log), env.txt, summary.md (machine, stage times, what each training
+# reached, the table), results.md and results.json (the benchmark),
+# train-logs.tar.gz and benchmark.tar.gz (training logs; hypotheses, plots and
+# worker logs).  Models stay in RUN, so that a second call on the same warm
+# machine goes on where the first stopped: every stage is skipped when its
+# output exists.
+#
+# Usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench] [--kit DIR] OUT_DIR
+#   --dry-run  print every command with its budget and run nothing (no kit or
+#              GPU needed)
+#   --phase    all (default), train, or bench: one 10-minute call trains,
+#              the next benchmarks
+#   --kit DIR  the kit folder (default .gpu-kit)
+# Environment: CONFIG (configs/multi30k-gpu-kit.sh), KIT_MODEL (small|base,
+#   see the config), RUN (runs/gpu-kit.KIT_MODEL), SITE (/tmp/gpu-kit-site),
+#   PYTHON (python3), BENCH_DIR (the benchmark's folder, RUN/benchmark),
+#   PHASE_SECONDS (540: the stages are stopped after this many seconds, so
+#   that the report is written inside a 10-minute call; a benchmark cut short
+#   keeps the rows it finished in rows.partial.jsonl), ALLOW_CPU (1: go on
+#   without a GPU, for a smoke run on a CPU with KIT_SMOKE=1), plus every
+#   variable of the config.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+
+DRY=0 PHASE=all KIT=$HERE/.gpu-kit RESULTS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run|-n) DRY=1 ;;
+    --phase) [ $# -ge 2 ] || { echo "gpu-run.sh: --phase needs all, train or bench" >&2; exit 2; }; PHASE=$2; shift ;;
+    --kit) [ $# -ge 2 ] || { echo "gpu-run.sh: --kit needs a folder" >&2; exit 2; }; KIT=$2; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "gpu-run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) [ -z "$RESULTS" ] || { echo "gpu-run.sh: one OUT_DIR only ('$RESULTS', '$1')" >&2; exit 2; }; RESULTS=$1 ;;
+  esac
+  shift
+done
+case "$PHASE" in
+  all) STAGES=(verifier distill vsd+blockwise+drafter average benchmark) ;;
+  train) STAGES=(verifier distill vsd+blockwise+drafter average) ;;
+  bench) STAGES=(benchmark) ;;
+  *) echo "gpu-run.sh: --phase must be all, train or bench, got '$PHASE'" >&2; exit 2 ;;
+esac
+[ -n "$RESULTS" ] || { echo "usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench] [--kit DIR] OUT_DIR" >&2; exit 2; }
+KIT=$(cd "$(dirname "$KIT")" && pwd)/$(basename "$KIT")
+
+export CONFIG=${CONFIG:-$HERE/configs/multi30k-gpu-kit.sh}
+[ -f "$CONFIG" ] || { echo "gpu-run.sh: no such config: $CONFIG" >&2; exit 2; }
+export KIT_MODEL=${KIT_MODEL:-small}
+export RUN=${RUN:-$HERE/runs/gpu-kit.$KIT_MODEL}
+export SITE=${SITE:-/tmp/gpu-kit-site}
+export PYTHON=${PYTHON:-python3}
+export BENCH_DIR=${BENCH_DIR:-$RUN/benchmark}
+PHASE_SECONDS=${PHASE_SECONDS:-540}
+# what scripts/run-multi30k.sh reads: the kit's data, the run folder
+export DATA=$KIT/data OUT=$RUN MULTI30K_RAW=$KIT/data/raw
+
+if [ "$DRY" = 1 ]; then
+  echo "# scripts/gpu-run.sh --dry-run --phase $PHASE (KIT_MODEL=$KIT_MODEL, config $CONFIG)"
+  echo "# setup: install the kit's wheels, nothing downloaded"
+  echo "$PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $KIT/wheels/*.whl"
+  echo "export PYTHONPATH=$SITE:$HERE PATH=$SITE/bin:\$PATH"
+  bash "$HERE/scripts/run-multi30k.sh" --dry-run "${STAGES[@]}"
+  echo "# results: $RESULTS/{gpu-run.log,env.txt,summary.md,results.md,results.json,train-logs.tar.gz,benchmark.tar.gz}"
+  exit 0
+fi
+
+mkdir -p "$RESULTS" "$RUN"
+RESULTS=$(cd "$RESULTS" && pwd)
+exec > >(tee -a "$RESULTS/gpu-run.log") 2>&1
+T0=$(date +%s) LOG_TAG=gpu-run
+# shellcheck source=recipe-lib.sh
+source "$HERE/scripts/recipe-lib.sh"
+log "phase $PHASE, KIT_MODEL=$KIT_MODEL, kit $KIT, models in $RUN, results in $RESULTS"
+[ -d "$KIT/data/bin" ] || { log "no kit at $KIT (make gpu-kit builds it on the CPU machine; it must travel with the checkout)"; exit 2; }
+
+# setup: the wheels, once per machine
+if ls "$KIT"/wheels/*.whl > /dev/null 2>&1; then
+  if [ ! -f "$SITE/.installed" ]; then
+    log "installing $(ls "$KIT"/wheels/*.whl | wc -l) wheels into $SITE"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/wheels/*.whl
+    touch "$SITE/.installed"
+  fi
+  export PYTHONPATH=$SITE:$HERE${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH
+else
+  log "the kit has no wheels: using the fairseq installed here"
+  export PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}
+fi
+{
+  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC'); checkout's commit: $(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  head -1 "$KIT/MANIFEST.txt" 2>/dev/null || true
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /' || true
+  "$PYTHON" - <<'EOF'
+import platform, sys
+import torch
+print(f"python {platform.python_version()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+      f"cuda available: {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    print(f"device: {torch.cuda.get_device_name(0)}; {torch.cuda.device_count()} visible")
+import fairseq, numpy
+print(f"fairseq {fairseq.__version__}; numpy {numpy.__version__}")
+import fairseq_specdec  # noqa: F401  (the plugin imports)
+EOF
+  echo "cpu: $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+} > "$RESULTS/env.txt"
+sed 's/^/  /' "$RESULTS/env.txt"
+if ! grep -q "cuda available: True" "$RESULTS/env.txt" && [ "${ALLOW_CPU:-0}" != 1 ]; then
+  log "torch sees no GPU here; ALLOW_CPU=1 goes on without one (a smoke run: KIT_SMOKE=1)"
+  exit 2
+fi
+
+collect() {
+  # what comes back: a few files, small
+  tar -czf "$RESULTS/train-logs.tar.gz" -C "$RUN" $(cd "$RUN" && ls -d ./*.log distill/gen/*.log distill/*.log \
+      drafter/*.validate.log 2>/dev/null) 2>/dev/null || true
+  if [ -d "$BENCH_DIR" ]; then
+    tar -czf "$RESULTS/benchmark.tar.gz" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")"
+    cp "$BENCH_DIR/results.md" "$BENCH_DIR/results.json" "$RESULTS/" 2>/dev/null || true
+  fi
+  "$PYTHON" "$HERE/scripts/gpu-summary.py" --run "$RUN" --bench "$BENCH_DIR" --log "$RESULTS/gpu-run.log" \
+    --env "$RESULTS/env.txt" \
+    > "$RESULTS/summary.md" || log "no summary (see the error above)"
+}
+trap collect EXIT
+
+status=0
+timeout "$PHASE_SECONDS" bash "$HERE/scripts/run-multi30k.sh" "${STAGES[@]}" || status=$?
+if [ "$status" = 124 ]; then
+  log "phase $PHASE stopped after PHASE_SECONDS=$PHASE_SECONDS s: what it finished is reported, the rest is missing"
+elif [ "$status" != 0 ]; then
+  log "phase $PHASE failed (exit $status): see the log above"
+  exit "$status"
+fi
+log "phase $PHASE done in $(( $(date +%s) - T0 )) s"

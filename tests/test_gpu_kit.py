@@ -1,0 +1,265 @@
+"""The GPU kit (scripts/gpu-kit.sh, make gpu-kit) and its run script
+(scripts/gpu-run.sh), checked on the CPU: the kit holds the data and one
+wheel of every listed package (the download faked: CI may not reach the
+registry), stays under its size limit, and says what is in it; the run
+script's dry run prints every command with its budget, each fairseq-train
+and fairseq-generate command parses with fairseq's own parsers, on the GPU
+(no --cpu), in the kit's budgets; the report reads a run folder."""
+import gzip
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import fairseq_specdec  # noqa: E402,F401  (registers the plugin's task, models and criteria)
+from fairseq import options  # noqa: E402
+from fairseq_specdec.bench import kit_summary  # noqa: E402
+
+KIT = os.path.join(ROOT, "scripts", "gpu-kit.sh")
+RUN = os.path.join(ROOT, "scripts", "gpu-run.sh")
+WHEELS = [line.split()[0] for line in open(os.path.join(ROOT, "configs", "gpu-kit-wheels.txt"))
+          if line.strip() and not line.startswith("#")]
+
+FAKE_PIP = r'''#!/usr/bin/env bash
+# pip download/wheel -d|-w DIR ... NAME==VERSION: writes an empty wheel of that name
+echo "$*" >> "$RECORD"
+dir="" spec="${@: -1}"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in -d|-w) dir=${args[i+1]};; esac
+done
+name=$(echo "${spec%%==*}" | tr '-' '_') version=${spec#*==}
+touch "$dir/$name-$version-py3-none-any.whl"
+'''
+
+
+def clean_env(tmp_path, **extra):
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    """What prepare-multi30k.sh leaves (the files the kit copies), and the raw test reference."""
+    data, raw = tmp_path / "data", tmp_path / "raw"
+    for sub in ("bin", "bpe", "tok"):
+        (data / sub).mkdir(parents=True)
+    for name in ("dict.en.txt", "dict.de.txt", "train.en-de.en.bin", "test.en-de.de.bin"):
+        (data / "bin" / name).write_text("x\n")
+    for split in ("train", "val", "test_2016_flickr"):
+        for lang in ("en", "de"):
+            (data / "bpe" / f"{split}.{lang}").write_text("a b\n")
+    (data / "tok" / "test_2016_flickr.de").write_text("ein Hund .\n")
+    raw.mkdir()
+    with gzip.open(raw / "test_2016_flickr.de.gz", "wt") as f:
+        f.write("Ein Hund.\n")
+    pip = tmp_path / "pip"
+    pip.write_text(FAKE_PIP)
+    pip.chmod(0o755)
+    return data, raw, pip
+
+
+def build_kit(tmp_path, prepared, *args, **env):
+    data, raw, pip = prepared
+    return subprocess.run(
+        ["bash", KIT, "--out", str(tmp_path / "kit"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=clean_env(tmp_path, DATA=data, MULTI30K_RAW=raw, PIP=pip, RECORD=tmp_path / "pip.txt", **env),
+    )
+
+
+def test_kit_holds_the_data_and_a_cp312_wheel_of_every_package(tmp_path, prepared):
+    proc = build_kit(tmp_path, prepared)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kit = tmp_path / "kit"
+    for path in ("data/bin/dict.de.txt", "data/bin/test.en-de.de.bin", "data/bpe/train.en", "data/bpe/val.de",
+                 "data/tok/test_2016_flickr.de", "data/raw/test_2016_flickr.de.gz"):
+        assert (kit / path).is_file(), path
+    assert not (kit / "data" / "bpe" / "test_2016_flickr.en").exists()  # only what the GPU run reads
+    wheels = sorted(os.listdir(kit / "wheels"))
+    assert len(wheels) == len(WHEELS)
+    for spec in WHEELS:
+        name, version = spec.split("==")
+        assert any(w.startswith(f"{name.replace('-', '_')}-{version}-") for w in wheels), spec
+    assert not any(w.startswith("torch") for w in wheels)  # never carried
+    calls = (tmp_path / "pip.txt").read_text().splitlines()
+    downloads = [c for c in calls if c.startswith("download")]
+    assert all("--python-version 3.12" in c and "--only-binary=:all:" in c and "--no-deps" in c for c in downloads)
+    assert [c for c in calls if c.startswith("wheel")] == [
+        f"wheel -q --no-deps -w {kit}/wheels antlr4-python3-runtime==4.9.3"]  # the source-only package
+    manifest = (kit / "MANIFEST.txt").read_text()
+    assert manifest.startswith("GPU kit for scripts/gpu-run.sh, made ")
+    assert "data/raw/test_2016_flickr.de.gz" in manifest and f"wheels/{wheels[0]}" in manifest
+    # idempotent: nothing downloaded again
+    proc = build_kit(tmp_path, prepared)
+    assert proc.returncode == 0 and (tmp_path / "pip.txt").read_text().splitlines() == calls
+
+
+def test_kit_over_its_size_limit_fails_by_name(tmp_path, prepared):
+    proc = build_kit(tmp_path, prepared, "--no-wheels", KIT_MAX_MB=0)
+    assert proc.returncode == 1
+    assert "more than KIT_MAX_MB=0" in proc.stderr
+    assert not (tmp_path / "pip.txt").exists()  # --no-wheels downloads nothing
+
+
+def test_kit_refuses_unknown_arguments(tmp_path, prepared):
+    proc = build_kit(tmp_path, prepared, "--wheels-only")
+    assert proc.returncode == 2 and "unknown argument '--wheels-only'" in proc.stderr
+
+
+# ---------------------------------------------------------------- the run script
+def dry_run(tmp_path, *args, **env):
+    proc = subprocess.run(["bash", RUN, "--dry-run", *args, str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=clean_env(tmp_path, **env))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    return proc.stdout
+
+
+def commands(stdout):
+    """(budget comment or None, argv) of every printed command."""
+    out, budget = [], None
+    for line in stdout.splitlines():
+        if line.startswith("#"):
+            budget = line if "updates, at most" in line else budget
+            continue
+        argv = shlex.split(line)
+        for i, tok in enumerate(argv):
+            if tok in (">", ">>", "2>&1"):
+                argv = argv[:i]
+                break
+        if argv and argv[0] == "env":
+            argv = argv[1:]
+            while argv and "=" in argv[0] and not argv[0].startswith("-"):
+                argv.pop(0)
+        out.append((budget, argv))
+        budget = None
+    return out
+
+
+def trainings(stdout):
+    got = {}
+    for budget, argv in commands(stdout):
+        if argv and argv[0] == "fairseq-train":
+            args = options.parse_args_and_arch(options.get_training_parser(), argv[1:])
+            got[os.path.basename(args.save_dir)] = (budget, args)
+    return got
+
+
+def test_dry_run_prints_every_command_with_its_budget(tmp_path):
+    out = dry_run(tmp_path)
+    cmds = commands(out)
+    install = [argv for _, argv in cmds if argv[:4] == ["python3", "-m", "pip", "install"]]
+    assert install and {"--no-index", "--no-deps"} <= set(install[0])
+    trains = trainings(out)
+    assert set(trains) == {"verifier", "vsd", "blockwise", "drafter"}
+    budgets = {"verifier": (2500, "3"), "vsd": (1500, "2.5"), "blockwise": (1500, "2.5"), "drafter": (1500, "2.5")}
+    for name, (budget, args) in trains.items():
+        updates, minutes = budgets[name]
+        assert budget == f"# {name}: {updates} updates, at most {minutes} minutes", name
+        assert args.max_update == updates and args.stop_time_hours == pytest.approx(float(minutes) / 60, abs=1e-4)
+        assert not args.cpu and args.fp16 and args.max_tokens == 8192, name
+        assert args.data.endswith(".gpu-kit/data/bin" if name == "verifier" else "runs/gpu-kit.small/distill/bin")
+    assert trains["verifier"][1].warmup_updates == 500 and trains["verifier"][1].encoder_embed_dim == 256
+    # distillation on the GPU from the kit's data, then the benchmark on the GPU at batch 1, 8 and 64
+    (distill,) = [argv for _, argv in cmds if argv[-6:-4] and argv[1:2] and argv[1].endswith("scripts/distill.sh")]
+    assert distill[3].endswith(".gpu-kit/data/bin") and distill[4].endswith(".gpu-kit/data/bpe")
+    assert "CPU=0" in out and "MAX_TOKENS=16000" in out
+    (bench,) = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
+    opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
+    assert opt("--device") == "auto" and opt("--batch-sizes") == "1,8,64" and opt("--jobs") == "1"
+    assert opt("--raw-ref").endswith(".gpu-kit/data/raw/test_2016_flickr.de.gz")
+    assert set(opt("--rows").split(",")) >= {"beam5", "beam1", "loop-greedy", "strict", "relaxed", "blockwise"}
+    assert not any(len(argv) > 1 and argv[1].endswith("roofline.py") for _, argv in cmds)  # a CPU figure
+
+
+def test_base_model_switch_and_phases(tmp_path):
+    trains = trainings(dry_run(tmp_path, KIT_MODEL="base"))
+    verifier = trains["verifier"][1]
+    assert (verifier.encoder_layers, verifier.decoder_layers, verifier.encoder_embed_dim) == (6, 6, 512)
+    assert trains["blockwise"][1].decoder_embed_dim == 512 and trains["blockwise"][1].decoder_layers == 6
+    assert trains["vsd"][1].embed_dim == 512 and trains["drafter"][1].encoder_layers == 6
+    assert verifier.save_dir.endswith("runs/gpu-kit.base/verifier")
+    train = dry_run(tmp_path, "--phase", "train")
+    assert "benchmark.py" not in train and "fairseq-train" in train
+    bench = dry_run(tmp_path, "--phase", "bench")
+    assert "fairseq-train" not in bench and "benchmark.py" in bench
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--phase", "deploy", "out"], "--phase must be all, train or bench, got 'deploy'"),
+    ([], "usage: scripts/gpu-run.sh"),
+    (["--kit"], "--kit needs a folder"),
+    (["a", "b"], "one OUT_DIR only"),
+])
+def test_run_script_refuses_bad_arguments(tmp_path, args, message):
+    proc = subprocess.run(["bash", RUN, *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=clean_env(tmp_path))
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_run_without_a_kit_says_how_to_build_one(tmp_path):
+    proc = subprocess.run(["bash", RUN, "--kit", str(tmp_path / "nokit"), str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=clean_env(tmp_path, RUN=tmp_path / "run"))
+    assert proc.returncode == 2
+    assert "no kit at" in proc.stdout and "make gpu-kit" in proc.stdout
+
+
+# ---------------------------------------------------------------- the report
+def test_report_reads_stage_times_trainings_and_the_table(tmp_path):
+    run = tmp_path / "run"
+    (run / "benchmark").mkdir(parents=True)
+    (run / "verifier.log").write_text(
+        "2026 | INFO | train_inner | epoch 010:  3 / 69 loss=4.1, ups=2.5, num_updates=2900\n"
+        "2026 | INFO | train_inner | epoch 010:  53 / 69 loss=4, ups=21.5, num_updates=2950\n"
+        "2026 | INFO | valid | epoch 011 | valid on 'valid' subset | loss 3.9 | nll_loss 2.4 | num_updates 3000\n")
+    (run / "vsd.log").write_text("2026 | INFO | train_inner | epoch 001:  3 / 69 ups=9.0, num_updates=1234\n")
+    log = tmp_path / "gpu-run.log"
+    log.write_text("\n".join([
+        "[multi30k 10:00:00 +0m] stage verifier",
+        "[multi30k 10:03:30 +3m] stage distill",
+        "[multi30k 10:04:00 +4m] stages vsd blockwise drafter, side by side",
+        "[multi30k 10:07:00 +7m] WARNING: vsd stopped by the 3-minute safety cap at 1234 of 3000 updates: weaker",
+        "[multi30k 10:07:00 +7m] stage average",
+        "[multi30k 10:07:30 +7m] all done in 7 minutes",
+    ]))
+    rows = []
+    for name, label, bs, s, b1, b5, tok, bleu in [
+        ("beam5@bs1", "fairseq beam 5", 1, 10.0, 0.8, 1.0, 1.0, 40.0),
+        ("beam1@bs1", "fairseq beam 1", 1, 8.0, 1.0, 1.25, 1.0, 39.5),
+        ("loop-greedy@bs1", "greedy", 1, 4.0, 2.0, 2.5, 1.0, 39.5),
+        ("strict-vsd@bs1", "draft-verify strict (vsd)", 1, 2.0, 4.0, 5.0, 3.1, 39.5),
+        ("b5t3-vsd@bs1", "draft-verify beta=5 tau=3 (vsd)", 1, 1.5, 5.33, 6.67, 4.0, 39.3),
+    ]:
+        rows.append(dict(name=name, label=label, batch_size=bs, seconds=s, speedup_vs_beam1=b1,
+                         speedup_vs_beam5=b5, tok=tok, sacrebleu=bleu, identical_to_beam1=name != "b5t3-vsd@bs1"))
+    (run / "benchmark" / "results.json").write_text(json.dumps({"rows": rows}))
+    (run / "benchmark" / "results.md").write_text("| decoder | batch |\n|---|---|\n| x | 1 |\n")
+    env = tmp_path / "env.txt"
+    env.write_text("gpu: NVIDIA H100 80GB HBM3, 81559 MiB, 580\n")
+    text = kit_summary.summary(str(run), str(log), str(env))
+    assert "gpu: NVIDIA H100 80GB HBM3" in text
+    assert "| verifier | 3.5 |" in text and "| vsd blockwise drafter | 3.0 |" in text and "| average | 0.5 |" in text
+    assert "| verifier | 3000 | 21.5 | no | loss 3.9, nll_loss 2.4, num_updates 3000 |" in text
+    assert "| vsd | 1234 | 9.0 | yes, at 1234 of 3000 | none |" in text
+    assert "| blockwise | not trained |" in text
+    assert "batch 1: greedy 2.00x of fairseq --beam 1 (identical: True)" in text
+    assert "batch 1: best strict draft-verify (draft-verify strict (vsd)) 4.00x of --beam 1, Tok. 3.10" in text
+    assert "best relaxed (draft-verify beta=5 tau=3 (vsd)) 6.67x of beam 5, sacreBLEU 39.30 against beam 5's 40.00 (-0.70)" in text
+    assert "| x | 1 |" in text
+
+
+def test_report_of_a_benchmark_cut_short_lists_the_rows_it_finished(tmp_path):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "rows.partial.jsonl").write_text(json.dumps(dict(
+        label="fairseq beam 1", batch_size=1, ms_per_sent=12.5, tok=1.0, sacrebleu=38.2, peak_gpu_mb=210.4)) + "\n")
+    text = kit_summary.summary(str(tmp_path), None, None, str(bench))
+    assert "cut short" in text and "| fairseq beam 1 | 1 | 12.50 | 1.00 | 38.20 | 210 |" in text
+    assert "| verifier | not trained |" in text
