@@ -371,3 +371,74 @@ def reference_drafter(refs, filler, cut=None, after_cut=None, check_prefix=False
 def output_tokens(hypotheses):
     """{id: token ids} of {id: hypothesis}."""
     return {i: h["tokens"].tolist() for i, h in hypotheses.items()}
+
+
+class PairedPass:
+    """Two verify passes run side by side on the same state, every pass
+    compared (log-probs, -inf slots and final decoder states, within float
+    rounding); the loop follows ``main``.  Counts the passes, the ragged
+    ones (rows of different lengths) and the widest."""
+
+    impl = "paired"
+
+    def __init__(self, main, ref):
+        self.main, self.ref = main, ref
+        self.passes = self.ragged_passes = self.widest = 0
+
+    def encode(self, net_input):
+        return self.main.encode(net_input)
+
+    def reorder_encoder_out(self, encoder_out, order):
+        return self.main.reorder_encoder_out(encoder_out, order)
+
+    def start(self):
+        self.main.start()
+        self.ref.start()
+
+    def forward(self, tokens, state, needed=None):
+        import torch
+
+        got = self.main.forward(tokens, state, needed)
+        want = self.ref.forward(tokens, state, needed)
+        assert got.shape == want.shape
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        assert torch.isfinite(got[finite]).all()
+        assert torch.allclose(got[finite], want[finite], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(self.main.last_features, self.ref.last_features, atol=1e-5, rtol=1e-5)
+        self.passes += 1
+        self.widest = max(self.widest, tokens.size(1))
+        self.ragged_passes += len(set(state.lengths_host)) > 1
+        self.after_pass(state)
+        return got
+
+    def after_pass(self, state):
+        """What a subclass records after each compared pass."""
+
+    @property
+    def last_features(self):
+        return self.main.last_features
+
+    def rollback(self, state, keep, keep_host):
+        self.main.rollback(state, keep, keep_host)
+        self.ref.rollback(state, keep, keep_host)
+
+    def reorder(self, state, new_order, new_order_host):
+        self.ref.reorder(state, new_order, new_order_host)
+        self.main.reorder(state, new_order, new_order_host)
+
+
+def partly_right(ref, d):
+    """A drafter that proposes the reference continuation, wrong from slot
+    ``sid % (k + 1)`` on: rows accept different numbers of drafts, so their
+    lengths become ragged."""
+    return reference_drafter(output_tokens(ref), d.index("b0"), cut=lambda sid, k: sid % (k + 1))
+
+
+def strict_generator(model, drafter, tgt_dict, verifier, opts="default", k=4):
+    """A strict SpeculativeGenerator whose verify pass is ``verifier``."""
+    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
+
+    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), tgt_dict, block_size=k, **OPTION_SETS[opts])
+    gen.verifier = verifier
+    return gen

@@ -7,7 +7,7 @@ round a near-tie differently."""
 import pytest
 import torch
 
-import specdec_helpers as H
+import specdec_helpers  # noqa: F401  (puts the checkout on sys.path)
 
 pytestmark = [
     pytest.mark.slow,

@@ -12,13 +12,12 @@ computes the function fairseq's own layer modules compute.
   (NormFormer) fall back under ``auto`` and are refused by name under ``lean``;
 * ``--verify-impl`` reaches the generator fairseq-generate builds.
 """
-import math
 
 import pytest
 import torch
 
 import specdec_helpers as H
-from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
+from specdec_helpers import OPTION_SETS, assert_identical, partly_right, run_generator, seq_gen, strict_generator
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import NATBlockDrafter, SpeculativeGenerator, StrictAcceptance
 from fairseq_specdec.generation.lean_verifier import LeanVerifier, lean_unsupported_reason
@@ -26,53 +25,15 @@ from fairseq_specdec.generation.verifier import CachedVerifier
 from fairseq_specdec.generation.verify_passes import build_verifier
 
 
-class PairedVerifier:
-    """Runs the lean pass and fairseq's side by side on the same state and
-    checks every pass; the loop follows the lean one."""
-
-    impl = "paired"
+class PairedVerifier(H.PairedPass):
+    """The lean pass (followed by the loop) and fairseq's layers on the same state."""
 
     def __init__(self, model, gemm="auto"):
-        self.lean = LeanVerifier(model, gemm=gemm)
-        self.ref = CachedVerifier(model)
-        self.passes = 0
-        self.ragged_passes = 0
-        self.widest = 0
-
-    def encode(self, net_input):
-        return self.lean.encode(net_input)
-
-    def reorder_encoder_out(self, encoder_out, order):
-        return self.lean.reorder_encoder_out(encoder_out, order)
-
-    def start(self):
-        self.lean.start()
-        self.ref.start()
-
-    def forward(self, tokens, state, needed=None):
-        got = self.lean.forward(tokens, state, needed)
-        want = self.ref.forward(tokens, state, needed)
-        assert torch.equal(torch.isinf(got), torch.isinf(want))
-        finite = torch.isfinite(want)
-        assert torch.isfinite(got[finite]).all()
-        assert torch.allclose(got[finite], want[finite], atol=1e-5, rtol=1e-5)
-        assert torch.allclose(self.lean.last_features, self.ref.last_features, atol=1e-5, rtol=1e-5)
-        self.passes += 1
-        self.widest = max(self.widest, tokens.size(1))
-        self.ragged_passes += len(set(state.lengths_host)) > 1
-        return got
+        super().__init__(LeanVerifier(model, gemm=gemm), CachedVerifier(model))
 
     @property
-    def last_features(self):
-        return self.lean.last_features
-
-    def rollback(self, state, keep, keep_host):
-        self.lean.rollback(state, keep, keep_host)
-        self.ref.rollback(state, keep, keep_host)
-
-    def reorder(self, state, new_order, new_order_host):
-        self.ref.reorder(state, new_order, new_order_host)
-        self.lean.reorder(state, new_order, new_order_host)
+    def lean(self):
+        return self.main
 
 
 class ScratchPoisoningVerifier(LeanVerifier):
@@ -86,18 +47,6 @@ class ScratchPoisoningVerifier(LeanVerifier):
             for t in store:
                 for r, n in enumerate(new_lengths):
                     t[r, :, n:] = torch.empty_like(t[r, :, n:]).uniform_(-1e4, 1e4)
-
-
-def partly_right(ref, d):
-    """Proposes the reference continuation, wrong from slot ``sid % (k + 1)``
-    on: rows accept different numbers of drafts, so lengths become ragged."""
-    return H.reference_drafter(H.output_tokens(ref), d.index("b0"), cut=lambda sid, k: sid % (k + 1))
-
-
-def strict_generator(model, drafter, tgt_dict, verifier, k=4, opts="default"):
-    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), tgt_dict, block_size=k, **OPTION_SETS[opts])
-    gen.verifier = verifier
-    return gen
 
 
 @pytest.mark.slow  # needs the trained toy verifier

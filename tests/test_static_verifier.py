@@ -15,57 +15,31 @@ import pytest
 import torch
 
 import specdec_helpers as H
-from specdec_helpers import OPTION_SETS, assert_identical, run_generator
+from specdec_helpers import OPTION_SETS, assert_identical, partly_right, run_generator, strict_generator
 import fairseq_specdec  # noqa: F401
-from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
 from fairseq_specdec.generation.lean_verifier import LeanVerifier
 from fairseq_specdec.generation.static_verifier import StaticVerifier, bucket_rows
 from fairseq_specdec.generation.verify_passes import build_verifier
 
 
-class PairedStatic:
-    """The static pass and the lean pass side by side on the same state,
-    every pass compared; the loop follows the static one."""
+class PairedStatic(H.PairedPass):
+    """The static pass (followed by the loop) and the lean pass on the same
+    state; records (rows, bucket) of every pass."""
 
     def __init__(self, model):
-        self.static = StaticVerifier(model)
-        self.lean = LeanVerifier(model, gemm="torch")
-        self.passes = 0
+        super().__init__(StaticVerifier(model), LeanVerifier(model, gemm="torch"))
         self.buckets = set()
 
-    def encode(self, net_input):
-        return self.static.encode(net_input)
-
-    def reorder_encoder_out(self, encoder_out, order):
-        return self.static.reorder_encoder_out(encoder_out, order)
-
-    def start(self):
-        self.static.start()
-        self.lean.start()
-
-    def forward(self, tokens, state, needed=None):
-        got = self.static.forward(tokens, state, needed)
-        want = self.lean.forward(tokens, state, needed)
-        assert got.shape == want.shape
-        assert torch.equal(torch.isinf(got), torch.isinf(want))
-        finite = torch.isfinite(want)
-        assert torch.allclose(got[finite], want[finite], atol=1e-5, rtol=1e-5)
-        assert torch.allclose(self.static.last_features, self.lean.last_features, atol=1e-5, rtol=1e-5)
-        self.passes += 1
-        self.buckets.add((state.size, self.static.rows))
-        return got
+    @property
+    def static(self):
+        return self.main
 
     @property
-    def last_features(self):
-        return self.static.last_features
+    def lean(self):
+        return self.ref
 
-    def rollback(self, state, keep, keep_host):
-        self.static.rollback(state, keep, keep_host)
-        self.lean.rollback(state, keep, keep_host)
-
-    def reorder(self, state, new_order, new_order_host):
-        self.lean.reorder(state, new_order, new_order_host)
-        self.static.reorder(state, new_order, new_order_host)
+    def after_pass(self, state):
+        self.buckets.add((state.size, self.static.rows))
 
 
 class SparePoisoningStatic(StaticVerifier):
@@ -84,17 +58,6 @@ class SparePoisoningStatic(StaticVerifier):
             for t in pair:
                 spare = t.view(self.rows, -1, *t.shape[1:])[state.size:]
                 spare.copy_(torch.empty_like(spare).uniform_(-1e4, 1e4))
-
-
-def partly_right(ref, d):
-    """The reference continuation, wrong from slot ``sid % (k + 1)`` on: ragged lengths."""
-    return H.reference_drafter(H.output_tokens(ref), d.index("b0"), cut=lambda sid, k: sid % (k + 1))
-
-
-def strict_generator(model, drafter, d, verifier, opts="default", k=4):
-    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), d, block_size=k, **OPTION_SETS[opts])
-    gen.verifier = verifier
-    return gen
 
 
 def test_buckets():
