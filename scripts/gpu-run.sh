@@ -8,28 +8,32 @@
 #          (configs/multi30k-gpu-kit.sh): verifier -> greedy distillation ->
 #          specdec_vsd, blockwise heads and the paper's drafter side by side
 #          on the GPU -> checkpoint averaging
-#   bench  scripts/benchmark.py on the GPU at batch 1, 8 and 64: fairseq beam
-#          5 and beam 1, loop-greedy, strict and relaxed draft-verify with
-#          both drafters, blockwise; Tok., ms/sentence, sacreBLEU, peak GPU
-#          memory, identity with --beam 1 in the same precision
+#   bench  scripts/benchmark.py on the GPU at batch 1: fairseq beam 5 and
+#          beam 1, loop-greedy, strict and relaxed draft-verify with the
+#          specdec_vsd drafter, blockwise, each of the plugin's rows also
+#          with its whole iterations captured (--cuda-graphs iteration);
+#          Tok., ms/sentence, sacreBLEU, peak GPU memory, identity with
+#          --beam 1 in the same precision
+#   batched  the same at batch 8 and 64 (KIT_BATCHED), without relaxed rows
 # Everything it reports goes to OUT_DIR, at most 8 files: gpu-run.log (this
 # run's log), env.txt, summary.md (machine, stage times, what each training
-# reached, the table), results.md and results.json (the benchmark),
-# train-logs.tar.gz and benchmark.tar.gz (training logs; hypotheses, plots and
-# worker logs).  Models stay in RUN, so that a second call on the same warm
+# reached, the tables and the ratios of the GPU targets), results.md and
+# results-batched.md (the benchmarks' tables), train-logs.tar.gz and
+# benchmark.tar.gz (training logs; results.json, hypotheses, plots and worker
+# logs).  Models stay in RUN, so that a second call on the same warm
 # machine goes on where the first stopped: every stage is skipped when its
 # output exists.
 #
-# Usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench] [--kit DIR] OUT_DIR
+# Usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched] [--kit DIR] OUT_DIR
 #   --dry-run  print every command with its budget and run nothing (no kit or
 #              GPU needed)
-#   --phase    all (default), train, or bench: one 10-minute call trains,
-#              the next benchmarks
+#   --phase    all (default: the three below), train, bench or batched: on a
+#              machine lent in 10-minute calls, one phase per call, in order
 #   --kit DIR  the kit folder (default .gpu-kit)
 # Environment: CONFIG (configs/multi30k-gpu-kit.sh), KIT_MODEL (small|base,
 #   see the config), RUN (runs/gpu-kit.KIT_MODEL), SITE (/tmp/gpu-kit-site),
-#   PYTHON (python3), BENCH_DIR (the benchmark's folder, RUN/benchmark),
-#   PHASE_SECONDS (540: the stages are stopped after this many seconds, so
+#   PYTHON (python3), KIT_BATCHED (8,64), PHASE_SECONDS (540: each phase's
+#   stages are stopped after this many seconds, so
 #   that the report is written inside a 10-minute call; a benchmark cut short
 #   keeps the rows it finished in rows.partial.jsonl), ALLOW_CPU (1: go on
 #   without a GPU, for a smoke run on a CPU with KIT_SMOKE=1), plus every
@@ -42,7 +46,7 @@ DRY=0 PHASE=all KIT=$HERE/.gpu-kit RESULTS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run|-n) DRY=1 ;;
-    --phase) [ $# -ge 2 ] || { echo "gpu-run.sh: --phase needs all, train or bench" >&2; exit 2; }; PHASE=$2; shift ;;
+    --phase) [ $# -ge 2 ] || { echo "gpu-run.sh: --phase needs all, train, bench or batched" >&2; exit 2; }; PHASE=$2; shift ;;
     --kit) [ $# -ge 2 ] || { echo "gpu-run.sh: --kit needs a folder" >&2; exit 2; }; KIT=$2; shift ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "gpu-run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
@@ -51,12 +55,11 @@ while [ $# -gt 0 ]; do
   shift
 done
 case "$PHASE" in
-  all) STAGES=(verifier distill vsd+blockwise+drafter average benchmark) ;;
-  train) STAGES=(verifier distill vsd+blockwise+drafter average) ;;
-  bench) STAGES=(benchmark) ;;
-  *) echo "gpu-run.sh: --phase must be all, train or bench, got '$PHASE'" >&2; exit 2 ;;
+  all) PHASES=(train bench batched) ;;
+  train|bench|batched) PHASES=("$PHASE") ;;
+  *) echo "gpu-run.sh: --phase must be all, train, bench or batched, got '$PHASE'" >&2; exit 2 ;;
 esac
-[ -n "$RESULTS" ] || { echo "usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench] [--kit DIR] OUT_DIR" >&2; exit 2; }
+[ -n "$RESULTS" ] || { echo "usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched] [--kit DIR] OUT_DIR" >&2; exit 2; }
 KIT=$(cd "$(dirname "$KIT")" && pwd)/$(basename "$KIT")
 
 export CONFIG=${CONFIG:-$HERE/configs/multi30k-gpu-kit.sh}
@@ -65,8 +68,19 @@ export KIT_MODEL=${KIT_MODEL:-small}
 export RUN=${RUN:-$HERE/runs/gpu-kit.$KIT_MODEL}
 export SITE=${SITE:-/tmp/gpu-kit-site}
 export PYTHON=${PYTHON:-python3}
-export BENCH_DIR=${BENCH_DIR:-$RUN/benchmark}
+BATCHED=${KIT_BATCHED:-8,64}
 PHASE_SECONDS=${PHASE_SECONDS:-540}
+
+# phase NAME [--dry-run]: the recipe's stages of one phase, with its benchmark's settings
+phase() {
+  local name=$1; shift
+  case "$name" in
+    train) bash "$HERE/scripts/run-multi30k.sh" "$@" verifier distill vsd+blockwise+drafter average ;;
+    bench) BENCH_DIR=$RUN/benchmark bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
+    batched) BENCH_DIR=$RUN/benchmark-batched BENCH_BATCH_SIZES=$BATCHED BENCH_RELAXED_BATCH_SIZES=none \
+               bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
+  esac
+}
 # what scripts/run-multi30k.sh reads: the kit's data, the run folder
 export DATA=$KIT/data OUT=$RUN MULTI30K_RAW=$KIT/data/raw
 
@@ -75,8 +89,8 @@ if [ "$DRY" = 1 ]; then
   echo "# setup: install the kit's wheels, nothing downloaded"
   echo "$PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $KIT/wheels/*.whl"
   echo "export PYTHONPATH=$SITE:$HERE PATH=$SITE/bin:\$PATH"
-  bash "$HERE/scripts/run-multi30k.sh" --dry-run "${STAGES[@]}"
-  echo "# results: $RESULTS/{gpu-run.log,env.txt,summary.md,results.md,results.json,train-logs.tar.gz,benchmark.tar.gz}"
+  for p in "${PHASES[@]}"; do echo "# phase $p, at most $PHASE_SECONDS s"; phase "$p" --dry-run; done
+  echo "# results: $RESULTS/{gpu-run.log,env.txt,summary.md,results.md,results-batched.md,train-logs.tar.gz,benchmark.tar.gz}"
   exit 0
 fi
 
@@ -128,22 +142,31 @@ collect() {
   # what comes back: a few files, small
   tar -czf "$RESULTS/train-logs.tar.gz" -C "$RUN" $(cd "$RUN" && ls -d ./*.log distill/gen/*.log distill/*.log \
       drafter/*.validate.log 2>/dev/null) 2>/dev/null || true
-  if [ -d "$BENCH_DIR" ]; then
-    tar -czf "$RESULTS/benchmark.tar.gz" -C "$(dirname "$BENCH_DIR")" "$(basename "$BENCH_DIR")"
-    cp "$BENCH_DIR/results.md" "$BENCH_DIR/results.json" "$RESULTS/" 2>/dev/null || true
+  local benches=() b
+  for b in benchmark benchmark-batched; do
+    [ -d "$RUN/$b" ] && benches+=("$b")
+  done
+  if [ ${#benches[@]} -gt 0 ]; then
+    tar -czf "$RESULTS/benchmark.tar.gz" -C "$RUN" "${benches[@]}"
   fi
-  "$PYTHON" "$HERE/scripts/gpu-summary.py" --run "$RUN" --bench "$BENCH_DIR" --log "$RESULTS/gpu-run.log" \
-    --env "$RESULTS/env.txt" \
+  cp "$RUN/benchmark/results.md" "$RESULTS/results.md" 2>/dev/null || true
+  cp "$RUN/benchmark-batched/results.md" "$RESULTS/results-batched.md" 2>/dev/null || true
+  "$PYTHON" "$HERE/scripts/gpu-summary.py" --run "$RUN" --bench "$RUN/benchmark" --bench "$RUN/benchmark-batched" \
+    --log "$RESULTS/gpu-run.log" --env "$RESULTS/env.txt" \
     > "$RESULTS/summary.md" || log "no summary (see the error above)"
 }
 trap collect EXIT
 
-status=0
-timeout "$PHASE_SECONDS" bash "$HERE/scripts/run-multi30k.sh" "${STAGES[@]}" || status=$?
-if [ "$status" = 124 ]; then
-  log "phase $PHASE stopped after PHASE_SECONDS=$PHASE_SECONDS s: what it finished is reported, the rest is missing"
-elif [ "$status" != 0 ]; then
-  log "phase $PHASE failed (exit $status): see the log above"
-  exit "$status"
-fi
-log "phase $PHASE done in $(( $(date +%s) - T0 )) s"
+export -f phase
+export HERE RUN BATCHED
+for p in "${PHASES[@]}"; do
+  t=$(date +%s) status=0
+  timeout "$PHASE_SECONDS" bash -c 'phase "$1"' _ "$p" || status=$?
+  if [ "$status" = 124 ]; then
+    log "phase $p stopped after PHASE_SECONDS=$PHASE_SECONDS s: what it finished is reported, the rest is missing"
+  elif [ "$status" != 0 ]; then
+    log "phase $p failed (exit $status): see the log above"
+    exit "$status"
+  fi
+  log "phase $p done in $(( $(date +%s) - t )) s"
+done

@@ -18,7 +18,8 @@
 #   the benchmark on BENCH_DEVICE), OUT (runs/multi30k.SRC-TGT),
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
 #   arguments for scripts/benchmark.py), BENCH_DIR (its results, default
-#   OUT/benchmark), ROOFLINE (1: the verify pass's CPU
+#   OUT/benchmark), BENCH_DRAFTERS (the drafters with rows: "paper vsd"),
+#   BENCH_RELAXED_BATCH_SIZES=none (no relaxed rows), ROOFLINE (1: the verify pass's CPU
 #   roofline after the benchmark; 0: none), plus every variable of the config.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -136,14 +137,23 @@ stage_average() {
 stage_benchmark() {
   local raw; raw=$(raw_multi30k)
   local BENCH_DIR=${BENCH_DIR:-$OUT/benchmark}
-  local rows=beam5,beam1,loop-greedy,strict,relaxed drafters=(--drafter "paper=$OUT/drafter/checkpoint_selected.pt")
-  if have "$OUT/vsd/checkpoint_last.pt"; then
+  local rows=beam5,beam1,loop-greedy,strict drafters=() relaxed=()
+  # BENCH_RELAXED_BATCH_SIZES=none: no relaxed rows
+  if [ "$BENCH_RELAXED_BATCH_SIZES" != none ]; then
+    rows=$rows,relaxed relaxed=(--relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES")
+  fi
+  # BENCH_DRAFTERS: which drafters have rows (paper: the Spec-Drafter, vsd: specdec_vsd)
+  case " ${BENCH_DRAFTERS:-paper vsd} " in
+    *" paper "*) drafters+=(--drafter "paper=$OUT/drafter/checkpoint_selected.pt") ;;
+  esac
+  if [[ " ${BENCH_DRAFTERS:-paper vsd} " == *" vsd "* ]] && have "$OUT/vsd/checkpoint_last.pt"; then
     drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")  # the default drafter
     if [ "${BENCH_DIAGNOSTIC:-0}" = 1 ]; then
       # diagnostic: the same drafter with a fixed k and no confidence cut
       drafters+=(--drafter "vsd-fixed=$OUT/vsd/checkpoint_last.pt" --drafter-options "vsd-fixed=--draft-min-confidence 0")
     fi
   fi
+  if [ ${#drafters[@]} = 0 ]; then rows=beam5,beam1,loop-greedy; fi
   local extra=()
   if have "$OUT/blockwise/checkpoint_best.pt"; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt"); rows=$rows,blockwise
@@ -160,7 +170,7 @@ stage_benchmark() {
     --verifier "$OUT/verifier/checkpoint_best.pt" "${drafters[@]}" --rows "$rows" --device "${BENCH_DEVICE:-cpu}" \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
     --out "$BENCH_DIR" --jobs "$BENCH_JOBS" --batch-sizes "${BENCH_BATCH_SIZES:-1,32}" \
-    --relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES" ${BENCH_ARGS:-}
+    "${relaxed[@]}" ${BENCH_ARGS:-}
   # what a verify pass of m tokens costs on this CPU, against its ideal: the
   # answer to "when does speculation pay here" (docs/verify-kernels.md)
   local roofline=1; [ "${BENCH_DEVICE:-cpu}" = cpu ] || roofline=0

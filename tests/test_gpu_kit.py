@@ -167,15 +167,21 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
         assert not args.cpu and args.fp16 and args.max_tokens == 8192, name
         assert args.data.endswith(".gpu-kit/data/bin" if name == "verifier" else "runs/gpu-kit.small/distill/bin")
     assert trains["verifier"][1].warmup_updates == 500 and trains["verifier"][1].encoder_embed_dim == 256
-    # distillation on the GPU from the kit's data, then the benchmark on the GPU at batch 1, 8 and 64
+    # distillation on the GPU from the kit's data, then the benchmark on the GPU at batch 1, then 8 and 64
     (distill,) = [argv for _, argv in cmds if argv[-6:-4] and argv[1:2] and argv[1].endswith("scripts/distill.sh")]
     assert distill[3].endswith(".gpu-kit/data/bin") and distill[4].endswith(".gpu-kit/data/bpe")
     assert "CPU=0" in out and "MAX_TOKENS=16000" in out
-    (bench,) = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
-    opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
-    assert opt("--device") == "auto" and opt("--batch-sizes") == "1,8,64" and opt("--jobs") == "1"
-    assert opt("--raw-ref").endswith(".gpu-kit/data/raw/test_2016_flickr.de.gz")
-    assert set(opt("--rows").split(",")) >= {"beam5", "beam1", "loop-greedy", "strict", "relaxed", "blockwise"}
+    bench1, batched = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
+    for bench, sizes, out_dir in ((bench1, "1", "benchmark"), (batched, "8,64", "benchmark-batched")):
+        opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
+        assert opt("--device") == "auto" and opt("--batch-sizes") == sizes and opt("--jobs") == "1"
+        assert opt("--out").endswith(f"runs/gpu-kit.small/{out_dir}")
+        assert opt("--raw-ref").endswith(".gpu-kit/data/raw/test_2016_flickr.de.gz")
+        assert opt("--variant") == "iteration=--cuda-graphs=iteration" and "--keep-going" in bench
+        assert [a for a in bench if a.startswith(("paper=", "vsd="))] == [f"vsd={os.path.dirname(opt('--out'))}/vsd/checkpoint_last.pt"]
+    rows = lambda bench: set(bench[bench.index("--rows") + 1].split(","))  # noqa: E731
+    assert rows(bench1) == {"beam5", "beam1", "loop-greedy", "strict", "relaxed", "blockwise"}
+    assert rows(batched) == {"beam5", "beam1", "loop-greedy", "strict", "blockwise"} and "--relaxed" not in batched
     assert not any(len(argv) > 1 and argv[1].endswith("roofline.py") for _, argv in cmds)  # a CPU figure
 
 
@@ -189,11 +195,13 @@ def test_base_model_switch_and_phases(tmp_path):
     train = dry_run(tmp_path, "--phase", "train")
     assert "benchmark.py" not in train and "fairseq-train" in train
     bench = dry_run(tmp_path, "--phase", "bench")
-    assert "fairseq-train" not in bench and "benchmark.py" in bench
+    assert "fairseq-train" not in bench and bench.count("benchmark.py") == 1 and "--batch-sizes 1 " in bench
+    batched = dry_run(tmp_path, "--phase", "batched", KIT_BATCHED="4")
+    assert "fairseq-train" not in batched and "--batch-sizes 4 " in batched
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--phase", "deploy", "out"], "--phase must be all, train or bench, got 'deploy'"),
+    (["--phase", "deploy", "out"], "--phase must be all, train, bench or batched, got 'deploy'"),
     ([], "usage: scripts/gpu-run.sh"),
     (["--kit"], "--kit needs a folder"),
     (["a", "b"], "one OUT_DIR only"),
@@ -260,6 +268,7 @@ def test_report_of_a_benchmark_cut_short_lists_the_rows_it_finished(tmp_path):
     bench.mkdir()
     (bench / "rows.partial.jsonl").write_text(json.dumps(dict(
         label="fairseq beam 1", batch_size=1, ms_per_sent=12.5, tok=1.0, sacrebleu=38.2, peak_gpu_mb=210.4)) + "\n")
-    text = kit_summary.summary(str(tmp_path), None, None, str(bench))
+    text = kit_summary.summary(str(tmp_path), None, None, [str(bench), str(tmp_path / "batched")])
     assert "cut short" in text and "| fairseq beam 1 | 1 | 12.50 | 1.00 | 38.20 | 210 |" in text
     assert "| verifier | not trained |" in text
+    assert "## Benchmark: batched: not run" in text

@@ -108,7 +108,24 @@ def partial_table(path: str) -> List[str]:
     return lines
 
 
-def summary(run: str, log: Optional[str], env: Optional[str], bench: Optional[str] = None) -> str:
+def benchmark_section(bench: str) -> List[str]:
+    """The table of one benchmark folder with its key figures, or the rows a
+    benchmark cut short finished."""
+    table, results = os.path.join(bench, "results.md"), os.path.join(bench, "results.json")
+    partial = os.path.join(bench, "rows.partial.jsonl")
+    title = f"## Benchmark: {os.path.basename(os.path.normpath(bench))}"
+    if os.path.exists(table):
+        out = [title, "", open(table).read().strip(), ""]
+        if os.path.exists(results):
+            with open(results) as f:
+                out += ["Key figures:", ""] + [f"- {line}" for line in key_ratios(json.load(f))] + [""]
+        return out
+    if os.path.exists(partial):
+        return [f"{title} (cut short: the rows it finished, no ratios or identity)", ""] + partial_table(partial) + [""]
+    return [f"{title}: not run", ""]
+
+
+def summary(run: str, log: Optional[str], env: Optional[str], benches: Optional[List[str]] = None) -> str:
     out = ["# GPU kit run", ""]
     if env and os.path.exists(env):
         out += ["Machine:", "", "```", open(env).read().strip(), "```", ""]
@@ -127,26 +144,16 @@ def summary(run: str, log: Optional[str], env: Optional[str], bench: Optional[st
         ups = f"{got['updates_per_s']:.1f}" if got["updates_per_s"] is not None else ""
         out.append(f"| {name} | {got['updates']} | {ups} | {cap} | {got['valid'] or 'none'} |")
     out.append("")
-    bench = bench or os.path.join(run, "benchmark")
-    table, results = os.path.join(bench, "results.md"), os.path.join(bench, "results.json")
-    partial = os.path.join(bench, "rows.partial.jsonl")
-    if os.path.exists(table):
-        out += ["## Benchmark", "", open(table).read().strip(), ""]
-        if os.path.exists(results):
-            with open(results) as f:
-                out += ["Key figures:", ""] + [f"- {line}" for line in key_ratios(json.load(f))] + [""]
-    elif os.path.exists(partial):
-        out += ["## Benchmark (cut short: the rows it finished, no ratios or identity)", ""]
-        out += partial_table(partial) + [""]
-    else:
-        out += ["No benchmark in this run folder yet.", ""]
+    for bench in benches or [os.path.join(run, "benchmark")]:
+        out += benchmark_section(bench)
     return "\n".join(out)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="The GPU kit's one-page report (Markdown on standard output).")
     parser.add_argument("--run", required=True, help="the run folder (models, training logs, benchmark/)")
-    parser.add_argument("--bench", help="the benchmark's folder (default RUN/benchmark)")
+    parser.add_argument("--bench", action="append",
+                        help="a benchmark's folder, repeatable (default RUN/benchmark); one not run is said so")
     parser.add_argument("--log", help="the log of scripts/gpu-run.sh (stage times, cap warnings)")
     parser.add_argument("--env", help="env.txt of scripts/gpu-run.sh (the machine)")
     args = parser.parse_args(argv)

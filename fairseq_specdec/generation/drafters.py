@@ -19,7 +19,16 @@ contract; a new drafting method is a new class here (and one entry in
   leave), given as a device tensor and as host ints; the state calls it from
   ``keep`` after it has reordered itself and the verifier.
 
-Drafters read the state; they never write it.  A drafter checkpoint (a
+Drafters read the state; they never write it.  A drafter that can run
+inside a captured CUDA graph of a whole iteration says so:
+``static_inputs() -> bool`` switches it, for good, to buffers whose shapes and
+addresses stay fixed between the iterations of a batch of one sentence (and
+between batches whose source falls in the same bucket), and
+``static_key()`` names what the current batch's buffers are, so that the
+loop captures one graph per key (:mod:`~fairseq_specdec.generation.iteration_graphs`).
+Its ``propose`` then reads only those buffers and the state's
+``last_tokens()`` and ``lengths``, and reads nothing back to the host.
+A drafter checkpoint (a
 :class:`~fairseq_specdec.models.protocol.DrafterModel`) becomes a drafter
 through :func:`drafter_for_model`.
 """
@@ -37,7 +46,7 @@ from ..models.protocol import (
 )
 from ..utils import rowgemm
 from ..utils.dictionary import joined_dictionaries
-from ..utils.projection import DerivedWeight, TransposedWeight
+from ..utils.projection import DerivedWeight, TransposedWeight, weights_fingerprint
 
 
 class Drafter:
@@ -66,6 +75,15 @@ class Drafter:
     def reorder(self, order: Tensor, order_host: List[int]) -> None:
         raise NotImplementedError
 
+    def static_inputs(self) -> bool:
+        """Switch to fixed buffers so that ``propose`` can be captured in a
+        CUDA graph (see the module docstring); False: this drafter cannot."""
+        return False
+
+    def static_key(self) -> tuple:
+        """What the current batch's fixed buffers are (their buckets)."""
+        return ()
+
 
 class NoDrafter(Drafter):
     """Never drafts: the loop then takes one verifier token per iteration
@@ -79,6 +97,9 @@ class NoDrafter(Drafter):
 
     def reorder(self, order, order_host) -> None:
         pass
+
+    def static_inputs(self) -> bool:
+        return True
 
 
 def same_encoder(drafter, verifier) -> bool:
@@ -248,6 +269,7 @@ class ShortlistProjection:
         self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
         self._packed = DerivedWeight(lambda weight, bias: rowgemm.PackedLinear(weight))
         self._transposed = TransposedWeight()
+        self._static = {}  # (padded extra types, dtype, device) -> fixed buffers (make_static)
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         base = weight[: self.size] if self.size else weight
@@ -274,6 +296,38 @@ class ShortlistProjection:
         for t in self.never:
             never |= ids == t
         self.bias = bias.masked_fill(never, -math.inf)
+
+    def make_static(self, step: int = 16) -> int:
+        """After :meth:`start_batch`: the batch's source types outside the
+        frequent ones, its bias and type ids moved into fixed buffers, the
+        extra types padded to a multiple of ``step`` (a padding column has a
+        zero weight, bias -inf and never wins).  Returns the padded count of
+        extra types (the buffers' key)."""
+        if not self.size:
+            return 0
+        base = self.bias.size(0) - (self._extra_t.size(1) if self._extra_t is not None else 0)
+        extra = self.bias.size(0) - base
+        padded = -(-extra // step) * step
+        buffers = self._static
+        key = (padded, self.bias.dtype, self.bias.device)
+        if key not in buffers:
+            buffers[key] = {
+                "extra_t": None if padded == 0 else torch.zeros(self._extra_t.size(0), padded, dtype=self.bias.dtype,
+                                                              device=self.bias.device),
+                "bias": torch.empty(base + padded, dtype=self.bias.dtype, device=self.bias.device),
+                "vocab": torch.empty(base + padded, dtype=torch.long, device=self.bias.device),
+            }
+        buf = buffers[key]
+        buf["bias"].fill_(-math.inf)
+        buf["bias"][: base + extra] = self.bias
+        buf["vocab"].fill_(self.never[0] if self.never else 0)
+        buf["vocab"][: base + extra] = self.vocab
+        if buf["extra_t"] is not None:
+            buf["extra_t"].zero_()
+            if self._extra_t is not None:
+                buf["extra_t"][:, :extra] = self._extra_t
+        self.bias, self.vocab, self._extra_t = buf["bias"], buf["vocab"], buf["extra_t"]
+        return padded
 
     def __call__(self, x: Tensor) -> Tensor:
         """``x @ weight[vocab].t() + bias`` over the last axis of ``x``."""
@@ -368,15 +422,72 @@ class VerifierStateDrafter(Drafter):
         )
         self.memory = None
         self.ctx_states = None
+        self.static = False
+        self._static = {}  # (rows, source bucket, dtype) -> fixed memory and context buffers
+        self._key = ()
+        self._extra = 0  # the shortlist's padded count of the batch's extra source types
+        self._weights = None  # the model's weights fingerprint at this batch's start
 
     def start_batch(self, state) -> None:
         model = self.model
         self.memory = model.source_memory(state.encoder_out)
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
         self.projection.start_batch(model.output_weight, None, state.net_input["src_tokens"])
+        if self.static:
+            self._extra = self.projection.make_static()
+            # a graph captured with other weights reads their old layouts: a new key
+            self._weights = weights_fingerprint(list(model.parameters()))
+            self._to_static()
+
+    def static_inputs(self) -> bool:
+        self.static = True
+        return True
+
+    def static_key(self) -> tuple:
+        return self._key
+
+    def _to_static(self) -> None:
+        """The rows' source memory padded to a multiple of 16 source tokens
+        (the padding masked for the block layers' cross-attention and for
+        the soft copy), and their context states, in fixed buffers (the
+        shortlist's are made once per batch, in start_batch)."""
+        memory, ctx = self.memory, self.ctx_states
+        rows, length = memory["copy_values"].shape[:2]
+        padded = -(-length // 16) * 16
+        key = (rows, padded, ctx.dtype)
+        if key not in self._static:
+            self._static[key] = {
+                "layers": [tuple(torch.zeros(t.shape[:2] + (padded,) + t.shape[3:], dtype=t.dtype, device=t.device)
+                                 for t in pair) for pair in memory["layers"]],
+                "mask": torch.zeros(rows, 1, 1, padded, dtype=torch.bool, device=ctx.device),
+                "copy_keys": memory["copy_keys"].new_zeros(memory["copy_keys"].shape[:2] + (padded,)),
+                "copy_values": memory["copy_values"].new_zeros((rows, padded) + memory["copy_values"].shape[2:]),
+                "copy_pad": torch.ones(rows, 1, padded, dtype=torch.bool, device=ctx.device),
+                "ctx": torch.empty_like(ctx),
+            }
+        buf = self._static[key]
+        for pair, static_pair in zip(memory["layers"], buf["layers"]):
+            for t, static in zip(pair, static_pair):  # N x H x S x d
+                static.zero_()
+                static[:, :, :length] = t
+        buf["mask"].fill_(False)
+        buf["mask"][..., :length] = memory["mask"]
+        buf["copy_keys"].zero_()
+        buf["copy_keys"][..., :length] = memory["copy_keys"]
+        buf["copy_values"].zero_()
+        buf["copy_values"][:, :length] = memory["copy_values"]
+        buf["copy_pad"].fill_(True)
+        buf["copy_pad"][..., :length] = memory["copy_pad"]
+        buf["ctx"].copy_(ctx)
+        self.memory = {name: buf[name] for name in ("layers", "mask", "copy_keys", "copy_values", "copy_pad")}
+        self.ctx_states = buf["ctx"]
+        self._key = (rows, padded, self._extra, self._weights)
 
     def update(self, state, feedback) -> None:
-        self.ctx_states = feedback.newest_states()
+        if self.static:
+            self.ctx_states.copy_(feedback.newest_states())
+        else:
+            self.ctx_states = feedback.newest_states()
 
     def propose(self, state, k):
         states = self.model.block_states(
@@ -404,6 +515,8 @@ class VerifierStateDrafter(Drafter):
     def reorder(self, order, order_host) -> None:
         self.memory = self.model.select_memory(self.memory, order)
         self.ctx_states = self.ctx_states.index_select(0, order)
+        if self.static:  # the kept rows, into the buffers of their number
+            self._to_static()
 
 
 def drafter_for_model(model, verifier_model, need_scores: bool, source: str) -> Drafter:

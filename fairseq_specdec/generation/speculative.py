@@ -34,6 +34,8 @@ from torch import Tensor
 from ..utils.encoder_out import max_output_length
 from ..utils.projection import inference_scope
 from .drafters import Drafter
+from .iteration_graphs import IterationGraphs
+from .static_verifier import StaticVerifier
 from .stats import SpecDecStats
 from .state import DecodingState, Feedback
 from .verify_passes import build_verifier
@@ -149,6 +151,11 @@ class SpeculativeGenerator:
             raise ValueError(f"the draft policy's k ({self.policy.k}) is not --block-size {block_size}")
         self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm, cuda_graphs)
         self.drafter = drafter
+        #: whole iterations of batches of one sentence on fixed buffers (--cuda-graphs static
+        #: runs them eagerly, iteration captures them), where the drafter can work on such buffers
+        self.iteration_graphs = None
+        if cuda_graphs in ("static", "iteration") and isinstance(self.verifier, StaticVerifier) and drafter.static_inputs():
+            self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32, graphs=cuda_graphs == "iteration")
         self.acceptance = acceptance
         self.block_size = block_size
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
@@ -168,30 +175,39 @@ class SpeculativeGenerator:
     def cuda(self):
         return self
 
-    def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int) -> None:
+    def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int, always: bool = False) -> None:
         """fairseq SequenceGenerator's per-step rules, in place.  Slot j of row r
-        predicts output index ``state.lengths[r] + j``."""
+        predicts output index ``state.lengths[r] + j``.  The length rules are
+        applied where the host lengths say a slot can reach them, or
+        ``always`` (a captured step, which reads no host length: where no slot
+        reaches them they change nothing)."""
         lprobs.masked_fill_(torch.isnan(lprobs), -math.inf)
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
         m = lprobs.size(1)
-        if min(state.lengths_host) < self.min_len or max(state.lengths_host) + m - 1 >= max_len:
+        if always or min(state.lengths_host) < self.min_len or max(state.lengths_host) + m - 1 >= max_len:
             steps = state.lengths.unsqueeze(1) + torch.arange(m, device=lprobs.device)
             lprobs[:, :, self.eos].masked_fill_(steps < self.min_len, -math.inf)
             at_limit = (steps >= max_len).unsqueeze(-1)
             lprobs[:, :, : self.eos].masked_fill_(at_limit, -math.inf)
             lprobs[:, :, self.eos + 1 :].masked_fill_(at_limit, -math.inf)
 
-    def _draft(self, state: DecodingState, max_len: int, host_checks: bool = True):
-        """Step 1: B x k' drafts (k' may be 0) and their drafter log-probs (or None);
-        with ``host_checks``, k' ends at the last slot any row can still keep."""
+    def _draft_width(self, state: DecodingState, max_len: int) -> int:
+        """How many tokens the drafter may propose this iteration: ``--block-size``,
+        within the length limit, the drafter's positions and the draft policy."""
         k = max(0, min(self.block_size, max_len - min(state.lengths_host)))
         limit = self.drafter.max_positions
         if limit is not None:
             k = max(0, min(k, limit - max(state.lengths_host)))
         if self.policy.adaptive:
             k = min(k, max(state.draft_k))
+        return k
+
+    def _draft(self, state: DecodingState, k: int, host_checks: bool = True):
+        """Step 1: B x k' drafts (k' <= k, may be 0) and their drafter log-probs
+        (or None); with ``host_checks``, k' ends at the last slot any row can
+        still keep."""
         if k == 0:
             return state.tokens.new_zeros((state.size, 0)), None
         # a drafter may propose fewer than k tokens (pad = no draft)
@@ -234,6 +250,58 @@ class SpeculativeGenerator:
             torch.add(running[j], draft_vlp[:, j], out=running[j + 1])
         return running.t()
 
+    def _step(self, state, k: int, max_len: int, host_checks: bool, always_mask: bool = False) -> tuple:
+        """Steps 1-3 of an iteration: everything it computes before the loop
+        reads back (on the device only when ``host_checks`` is off: what a
+        captured iteration runs, ``state`` then being the fixed buffers of
+        :class:`~fairseq_specdec.generation.iteration_graphs.StaticState`).
+        Returns ``(new_tokens, new_lprobs, n_new, cum, counts, features)``:
+        per row the tokens to append (their first ``n_new``), their
+        log-probs, the running score after them, the stacked counts the loop
+        reads back (tokens added, finished, drafts accepted, drafts
+        verified) and the verifier's final states of the pass."""
+        verifier = self.verifier
+        n = state.size
+        # 1. draft
+        draft_tokens, draft_lprobs = self._draft(state, k, host_checks)
+        k = draft_tokens.size(1)
+        m = k + 1
+        # 2. verify, with fairseq's rules; in a ragged batch the slots after
+        # a row's last draft are not projected (nothing reads them)
+        offsets = torch.arange(m, device=state.device)
+        drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1) if k > 0 else None
+        needed = None
+        if host_checks and n > 1 and k > 0:
+            needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
+            if bool(needed.all()):
+                needed = None
+        lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
+        self._mask_lprobs(lprobs, state, max_len, always_mask)
+        draft_vlp = lprobs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        running_t = self._running_scores(state.cum, draft_vlp, on_host=host_checks)
+        candidates = lprobs + running_t.unsqueeze(-1)
+        greedy = candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
+
+        # 3. accept: the accepted drafts, then the verifier's token at the bifurcation
+        if k > 0:
+            ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k], greedy[:, :k])
+            n_accepted = ok.long().cumprod(dim=1).sum(dim=1)
+        else:
+            n_accepted = torch.zeros_like(state.lengths)
+        new_tokens = torch.cat([draft_tokens, greedy[:, -1:]], dim=1)
+        at = n_accepted.unsqueeze(1)
+        new_tokens.scatter_(1, at, greedy.gather(1, at))
+        new_lprobs = lprobs.gather(2, new_tokens.unsqueeze(-1)).squeeze(-1)
+        is_eos = new_tokens.eq(self.eos) & (offsets.unsqueeze(0) <= at)
+        has_eos = is_eos.any(dim=1)
+        n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
+        last_new = (n_new - 1).unsqueeze(1)
+        cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
+        if drafted is None:
+            drafted = n_accepted
+        counts = torch.stack([n_new, has_eos.long(), n_accepted, drafted])
+        return new_tokens, new_lprobs, n_new, cum, counts, verifier.last_features
+
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
         # the weights are constant while a batch decodes: cached transposes
@@ -265,57 +333,29 @@ class SpeculativeGenerator:
         state.attach(verifier, self.drafter)
         self.drafter.start_batch(state)
         host_checks = self.host_checks if self.host_checks is not None else state.device.type != "cuda"
+        iteration = self.iteration_graphs if bsz == 1 else None
+        if iteration is not None:
+            verifier.begin(state, replay=False)
+            iteration.start(verifier.generation)
         accepted: List[List[int]] = [[] for _ in range(bsz)]
         ids_host = sample["id"].tolist() if "id" in sample else list(range(bsz))
         finalized: List[Optional[List[Dict]]] = [None] * bsz
 
         while state.size > 0:
-            n = state.size
-            # 1. draft
-            draft_tokens, draft_lprobs = self._draft(state, max_len, host_checks)
-            k = draft_tokens.size(1)
-            m = k + 1
-            # 2. verify, with fairseq's rules; in a ragged batch the slots after
-            # a row's last draft are not projected (nothing reads them)
-            offsets = torch.arange(m, device=state.device)
-            drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1) if k > 0 else None
-            needed = None
-            if host_checks and n > 1 and k > 0:
-                needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
-                if bool(needed.all()):
-                    needed = None
-            lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
-            self._mask_lprobs(lprobs, state, max_len)
-            draft_vlp = lprobs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
-            running_t = self._running_scores(state.cum, draft_vlp, on_host=host_checks)
-            candidates = lprobs + running_t.unsqueeze(-1)
-            greedy = candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
-
-            # 3. accept: the accepted drafts, then the verifier's token at the bifurcation
-            if k > 0:
-                ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k], greedy[:, :k])
-                n_accepted = ok.long().cumprod(dim=1).sum(dim=1)
+            k = self._draft_width(state, max_len)
+            if iteration is not None:
+                # one captured step (drafter, verify pass, rules, acceptance) per shape
+                key = (k, max_len, verifier.rows, verifier.source, self.drafter.static_key())
+                step = iteration.run(state, key, lambda inputs: self._step(inputs, k, max_len, False, True))
             else:
-                n_accepted = state.lengths.new_zeros(n)
-            new_tokens = torch.cat([draft_tokens, greedy[:, -1:]], dim=1)
-            at = n_accepted.unsqueeze(1)
-            new_tokens.scatter_(1, at, greedy.gather(1, at))
-            new_lprobs = lprobs.gather(2, new_tokens.unsqueeze(-1)).squeeze(-1)
-            is_eos = new_tokens.eq(self.eos) & (offsets.unsqueeze(0) <= at)
-            has_eos = is_eos.any(dim=1)
-            n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
-            last_new = (n_new - 1).unsqueeze(1)
-            cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
-            if drafted is None:
-                drafted = n_accepted
-            n_new_host, done_host, accepted_host, drafted_host = torch.stack(
-                [n_new, has_eos.long(), n_accepted, drafted]
-            ).tolist()
+                step = self._step(state, k, max_len, host_checks)
+            new_tokens, new_lprobs, n_new, cum, counts, features = step
+            n_new_host, done_host, accepted_host, drafted_host = counts.tolist()
 
             # 4. commit: cache, state, drafter feedback, draft lengths
             verifier.rollback(state, n_new, n_new_host)
             state.commit(new_tokens, new_lprobs, n_new, n_new_host, cum)
-            self.drafter.update(state, Feedback(drafted_host, accepted_host, n_new, verifier.last_features))
+            self.drafter.update(state, Feedback(drafted_host, accepted_host, n_new, features))
             self.policy.update(state.draft_k, drafted_host, accepted_host)
 
             # 5. retire finished rows

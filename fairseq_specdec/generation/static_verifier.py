@@ -54,7 +54,7 @@ CAPACITY_STEP = 64
 #: the encoder memory's length is a multiple of this
 SOURCE_STEP = 16
 #: ``--cuda-graphs`` choices
-CUDA_GRAPHS = ("auto", "on", "off", "static")
+CUDA_GRAPHS = ("auto", "on", "off", "static", "iteration")
 
 
 def bucket_rows(n: int) -> int:
@@ -73,14 +73,15 @@ class StaticVerifier(LeanVerifier):
     ``max_rows`` (None: no limit): a batch of more sentences than this runs
     the lean pass as it is (dynamic shapes, no graphs) from its start to its
     end; ``--cuda-graphs auto`` sets 1, the batch size where graphs were
-    measured to win."""
+    measured to win.  ``option``: the ``--cuda-graphs`` value messages name."""
 
-    def __init__(self, model, temperature: float = 1.0, graphs: bool = False, max_rows: Optional[int] = None):
+    def __init__(self, model, temperature: float = 1.0, graphs: bool = False, max_rows: Optional[int] = None,
+                 option: str = "on"):
         super().__init__(model, temperature, gemm="torch")
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
             raise ValueError(
-                f"--cuda-graphs on needs the verifier on a CUDA device (it is on {device}); "
+                f"--cuda-graphs {option} needs the verifier on a CUDA device (it is on {device}); "
                 "--cuda-graphs static runs the same static-shape pass without graphs anywhere"
             )
         self.graphs = graphs
@@ -101,6 +102,9 @@ class StaticVerifier(LeanVerifier):
         #: passes run by replaying a graph, and graphs captured (for the log and the tests)
         self.replays = 0
         self.captures = 0
+        #: counts the times every buffer was dropped: graphs that read them are stale then
+        self.generation = 0
+        self._replay = True  # this batch replays the pass's own graphs (not inside a whole-iteration capture)
 
     def describe(self) -> str:
         graphs = ", CUDA graphs" if self.graphs else ""
@@ -109,6 +113,7 @@ class StaticVerifier(LeanVerifier):
 
     def _free(self) -> None:
         """Forget every buffer and graph (the weights or the capacity changed)."""
+        self.generation += 1
         self._caches.clear()
         self._memory.clear()
         self._inputs.clear()
@@ -121,6 +126,7 @@ class StaticVerifier(LeanVerifier):
             self._laid_out = self._weights_key
         self.rows = 0
         self.dynamic = False
+        self._replay = True
 
     # -- buffers -----------------------------------------------------------
     def _cache(self, rows: int) -> Tuple[List[Tensor], List[Tensor]]:
@@ -197,8 +203,16 @@ class StaticVerifier(LeanVerifier):
         lprobs = self._finish(x, None)
         return lprobs, self.last_features
 
+    def begin(self, state, replay: bool = True) -> None:
+        """Start the batch now rather than at its first pass (capacity,
+        buckets, the encoder memory: what a captured iteration must not do);
+        ``replay=False``: its passes run eagerly, for a capture of the whole
+        iteration (:mod:`~fairseq_specdec.generation.iteration_graphs`)."""
+        self._start_batch(state)
+        self._replay = replay
+
     def _run(self, tokens: Tensor, lengths: Tensor) -> Tuple[Tensor, Tensor]:
-        if not self.graphs:
+        if not (self.graphs and self._replay):
             return self._pass(tokens, lengths)
         key = (self.rows, tokens.size(1), self.source)
         captured = self._captured.get(key)

@@ -25,7 +25,8 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
     where it supports the verifier's layers, else fairseq's.  ``graphs``
     (``--cuda-graphs``) ``static`` or ``on``: the lean pass with static
     shapes (:class:`~fairseq_specdec.generation.static_verifier.StaticVerifier`),
-    replayed as CUDA graphs with ``on``; ``auto``: graphs for batches of
+    replayed as CUDA graphs with ``on`` and ``iteration`` (which the loop
+    extends to whole iterations of batches of one sentence); ``auto``: graphs for batches of
     :data:`AUTO_GRAPH_ROWS` sentence where the lean pass runs a CUDA
     verifier, the lean pass as it is otherwise."""
     if impl not in VERIFY_IMPLS:
@@ -33,7 +34,7 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
     if gemm not in VERIFY_GEMMS:
         raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
     check_graphs(graphs)
-    static = graphs in ("on", "static")
+    static = graphs in ("on", "static", "iteration")
     if impl == "fairseq":
         if gemm == "rowgemm":
             raise ValueError("--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq")
@@ -50,7 +51,7 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
     if static:
         if gemm == "rowgemm":
             raise ValueError(f"--cuda-graphs {graphs} computes with torch's products; drop --verify-gemm rowgemm")
-        return StaticVerifier(model, temperature, graphs=graphs == "on")
+        return StaticVerifier(model, temperature, graphs=graphs in ("on", "iteration"), option=graphs)
     if graphs == "auto" and next(model.parameters()).device.type == "cuda" and gemm != "rowgemm":
         return StaticVerifier(model, temperature, graphs=True, max_rows=AUTO_GRAPH_ROWS)
     return LeanVerifier(model, temperature, gemm)

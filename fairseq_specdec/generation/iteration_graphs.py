@@ -1,0 +1,126 @@
+"""Whole iterations of a batch of one sentence as CUDA graphs (``--cuda-graphs iteration``).
+
+At batch 1 on a GPU, an iteration of the speculative loop launches its
+kernels one by one from Python: the drafter's pass, the verify pass, fairseq's
+masks, the running scores, acceptance.  With the verify pass alone in a graph
+(``--cuda-graphs on``) an iteration of ``specdec_vsd`` still cost 4.6 times a
+graphed greedy iteration on an H100 (docs/results/2026-11-24-b4cfa15-gpu-kit-h100.md).
+Here everything an iteration computes on the device before its one host read
+is captured once per shape and replayed:
+
+* the **inputs** the iteration reads from the decoding state (each row's
+  newest token, its length and its running score) are copied into fixed
+  buffers first, and the captured step reads them through a
+  :class:`StaticState` instead of the state;
+* the **drafter** works on buffers of fixed shapes and addresses after
+  :meth:`~fairseq_specdec.generation.drafters.Drafter.static_inputs`
+  (drafters that cannot say False, and their batches run as before);
+* the **verify pass** is the static-shape pass of
+  :class:`~fairseq_specdec.generation.static_verifier.StaticVerifier`, run
+  eagerly inside the capture;
+* the **outputs** (the new tokens, their log-probs, the counts the loop reads
+  back, the running scores, the verifier's final states) are the graph's own
+  tensors: the loop commits them to the state after the host read, as it
+  commits an eager iteration's.
+
+A shape is the key the loop gives (the draft width, whether fairseq's length
+masks apply, the verify pass's and the drafter's buckets); its graph is
+captured the first time it is met, after one eager run on a side stream, and
+replayed after that.  With ``graphs=False`` the same step runs eagerly on the
+same buffers (``--cuda-graphs static``: what the CPU tests run).
+"""
+from typing import Callable, Dict, Hashable
+
+import torch
+from torch import Tensor
+
+
+class StaticState:
+    """What the captured step reads of a :class:`~fairseq_specdec.generation.state.DecodingState`
+    with one row: ``last_tokens()``, ``lengths`` and ``cum`` from fixed
+    buffers (:meth:`load` copies them in), and the loaded state's host-side
+    fields (``draft_k``, ``lengths_host``) and ``tokens`` (for its dtype and
+    device only)."""
+
+    size = 1
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device = device
+        self._last = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(1, dtype=torch.long, device=device)
+        self.cum = torch.zeros(1, dtype=dtype, device=device)
+        self._state = None
+
+    def load(self, state) -> None:
+        """Copy the state's inputs of the next iteration into the buffers."""
+        self._state = state
+        self._last.copy_(state.last_tokens())
+        self.lengths.copy_(state.lengths)
+        self.cum.copy_(state.cum)
+
+    def last_tokens(self) -> Tensor:
+        return self._last
+
+    @property
+    def tokens(self) -> Tensor:
+        return self._state.tokens
+
+    @property
+    def draft_k(self):
+        return self._state.draft_k
+
+    @property
+    def lengths_host(self):
+        return self._state.lengths_host
+
+
+class IterationGraphs:
+    """The captured (``graphs=True``) or eager steps of batches of one
+    sentence, one per key, over one :class:`StaticState`."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, graphs: bool):
+        if graphs and device.type != "cuda":
+            raise ValueError(f"--cuda-graphs iteration needs a CUDA device, not {device}")
+        self.graphs = graphs
+        self.inputs = StaticState(device, dtype)
+        self._captured: Dict[Hashable, tuple] = {}
+        self._pool = None
+        self._key = None  # what the captured graphs were made for (weights)
+        #: steps run here, steps replayed from a graph, and graphs captured
+        self.runs = 0
+        self.replays = 0
+        self.captures = 0
+
+    def start(self, key: Hashable) -> None:
+        """A new batch; ``key`` changes when the weights the steps read were
+        laid out anew (their graphs would read the old ones): then every
+        graph is dropped."""
+        if key != self._key:
+            self._captured.clear()
+            self._key = key
+
+    def run(self, state, key: Hashable, step: Callable[[StaticState], tuple]) -> tuple:
+        """``step(inputs)`` after the state's inputs are loaded, replayed from
+        the graph of ``key`` (captured now if it is new)."""
+        self.inputs.load(state)
+        self.runs += 1
+        if not self.graphs:
+            return step(self.inputs)
+        captured = self._captured.get(key)
+        if captured is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(self.inputs)  # warm-up: workspaces, the layouts' first checks (it writes what the replay writes)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = step(self.inputs)
+            captured = self._captured[key] = (graph, outputs)
+            self.captures += 1
+        graph, outputs = captured
+        graph.replay()
+        self.replays += 1
+        return outputs

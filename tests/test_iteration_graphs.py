@@ -1,0 +1,129 @@
+"""Whole iterations of a batch of one sentence on fixed buffers
+(``--cuda-graphs static`` runs them eagerly, here on the CPU;
+``--cuda-graphs iteration`` captures them on a GPU, tested where one is).
+
+* strict decoding through the static iteration equals fairseq's ``--beam 1``
+  (loop-greedy and the ``specdec_vsd`` drafter), and the iterations do run
+  there; batches of several sentences and drafters that cannot work on fixed
+  buffers (the paper's drafter) decode as before;
+* the ``specdec_vsd`` drafter's fixed buffers (source memory padded to a
+  bucket, the shortlist's extra types padded with columns that never win)
+  give the drafts its own buffers give, within float rounding;
+* on a GPU: graphs are captured once per shape and replayed, with the eager
+  static step's output.
+"""
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import assert_identical, run_generator
+from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
+from fairseq_specdec.generation.drafters import NoDrafter, ShortlistProjection, drafter_for_model
+
+pytestmark = pytest.mark.slow  # the trained toy verifier and drafters
+
+
+def generator(model, drafter, d, graphs, k=4, **opts):
+    return SpeculativeGenerator(model, drafter, StrictAcceptance(), d, block_size=k, cuda_graphs=graphs,
+                                **{**H.OPTION_SETS["default"], **opts})
+
+
+def vsd_drafter(toy_bin, vsd_checkpoint, verifier_model):
+    drafter_model, _ = H.load_model(vsd_checkpoint, toy_bin)
+    return drafter_for_model(drafter_model, verifier_model, True, "the test's drafter")
+
+
+@pytest.mark.parametrize("kind", ["loop-greedy", "vsd"])
+def test_static_iterations_decode_like_beam1(toy_bin, verifier, beam1_reference, vsd_checkpoint, kind):
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference("default", 1)
+    drafter = NoDrafter() if kind == "loop-greedy" else vsd_drafter(toy_bin, vsd_checkpoint, model)
+    gen = generator(model, drafter, d, "static", k=1 if kind == "loop-greedy" else 4)
+    assert gen.iteration_graphs is not None and not gen.iteration_graphs.graphs
+    got = run_generator(gen, model, H.batches(task, "test", 1))
+    assert_identical(ref, got)
+    assert gen.iteration_graphs.runs == gen.stats.iterations > len(ref)  # every iteration ran there
+    if kind == "vsd":
+        assert gen.stats.mean_accepted > 1.2  # the drafts from the fixed buffers get accepted
+
+
+def test_other_batches_and_drafters_decode_as_before(toy_bin, verifier, beam1_reference, vsd_checkpoint, nat_checkpoint):
+    model, task = verifier
+    d = task.target_dictionary
+    # a batch of several sentences: the drafter keeps its fixed buffers, the iteration is not captured
+    gen = generator(model, vsd_drafter(toy_bin, vsd_checkpoint, model), d, "static")
+    assert_identical(beam1_reference("default", 3), run_generator(gen, model, H.batches(task, "test", 3)))
+    assert gen.iteration_graphs.runs == 0
+    # the paper's drafter recomputes a growing prefix: no fixed buffers, no iteration graphs
+    nat_model, _ = H.load_model(nat_checkpoint, toy_bin)
+    gen = generator(model, drafter_for_model(nat_model, model, False, "nat"), d, "static")
+    assert gen.iteration_graphs is None
+    assert_identical(beam1_reference("default", 1), run_generator(gen, model, H.batches(task, "test", 1)))
+    # capturing needs a GPU
+    with pytest.raises(ValueError, match="--cuda-graphs iteration needs the verifier on a CUDA device"):
+        generator(model, NoDrafter(), d, "iteration")
+
+
+def test_fixed_buffers_give_the_same_drafts(toy_bin, verifier, vsd_checkpoint):
+    from fairseq_specdec.generation.state import DecodingState
+    from fairseq_specdec.generation.verify_passes import build_verifier
+
+    model, task = verifier
+    d = task.target_dictionary
+    pass_ = build_verifier(model)
+    plain, static = (vsd_drafter(toy_bin, vsd_checkpoint, model) for _ in range(2))
+    assert static.static_inputs()
+    for bsz in (1, 5):
+        for sample in H.batches(task, "test", bsz)[:3]:
+            pass_.start()
+            state = DecodingState(sample, pass_.encode(sample["net_input"]), width=40, pad=d.pad(), bos=d.eos(), draft_k=4)
+            plain.start_batch(state)
+            static.start_batch(state)
+            source = sample["net_input"]["src_tokens"].size(1)
+            assert static.memory["copy_values"].size(1) == -(-source // 16) * 16  # the bucket
+            with torch.no_grad():
+                want_tokens, want_lprobs = plain.propose(state, 4)
+                got_tokens, got_lprobs = static.propose(state, 4)
+            assert torch.equal(got_tokens, want_tokens)
+            assert torch.allclose(got_lprobs, want_lprobs, atol=1e-5)
+
+
+def test_shortlist_padding_columns_never_win():
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8)
+    src = torch.tensor([[3, 41, 45, 2]])
+    plain, static = ShortlistProjection(30, 50, True, (1,)), ShortlistProjection(30, 50, True, (1,))
+    plain.start_batch(weight, None, src)
+    static.start_batch(weight, None, src)
+    assert static.make_static(step=16) == 16  # 2 extra source types, padded to 16
+    x = torch.randn(4, 8)
+    want, got = plain(x), static(x)
+    assert got.shape == (4, 30 + 16)
+    assert torch.allclose(got[:, :32], want) and torch.isinf(got[:, 32:]).all()
+    assert torch.equal(static.types(got.argmax(-1)), plain.types(want.argmax(-1)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none visible)")
+@pytest.mark.parametrize("kind", ["loop-greedy", "vsd"])
+def test_captured_iterations_replay_the_static_step(toy_bin, verifier, vsd_checkpoint, kind):
+    import copy
+
+    from fairseq.utils import move_to_cuda
+
+    model, task = verifier
+    d = task.target_dictionary
+    gpu_model = copy.deepcopy(model).cuda()
+    samples = [move_to_cuda(s) for s in H.batches(task, "test", 1)]
+
+    def drafter():
+        if kind == "loop-greedy":
+            return NoDrafter()
+        drafter_model, _ = H.load_model(vsd_checkpoint, toy_bin)
+        return drafter_for_model(drafter_model.cuda(), gpu_model, True, "the test's drafter")
+
+    eager = run_generator(generator(gpu_model, drafter(), d, "static"), gpu_model, samples)
+    gen = generator(gpu_model, drafter(), d, "iteration")
+    got = run_generator(gen, gpu_model, samples)
+    assert gen.iteration_graphs.captures > 0 and gen.iteration_graphs.replays > gen.iteration_graphs.captures
+    assert_identical(eager, got, atol=0)
