@@ -1,7 +1,8 @@
 """Every decoding on a GPU (skipped without one): the toy models decoded on
 CUDA through the benchmark's loader (exactly as fairseq-generate builds
 them), each strict decoding compared with fairseq's --beam 1 on CUDA at
-batch 1 and 8, with and without CUDA graphs.  The count of differing
+batch 1 and 8, with and without CUDA graphs (the verify pass's, and whole
+iterations).  The count of differing
 sentences is in the failure message: on a GPU, kernels chosen by shape may
 round a near-tie differently."""
 import pytest
@@ -41,12 +42,16 @@ def test_every_strict_decoding_on_cuda_is_beam1(toy_bin, ar_checkpoint, vsd_chec
     }
     differ = {}
     for name, (path, *extra) in rows.items():
-        for graphs in ("off", "static", "on", "auto"):
+        for graphs in ("off", "static", "on", "auto", "iteration"):
             got, generator = decode(toy_bin, path, bsz, *extra, "--cuda-graphs", graphs)
             assert sorted(got) == sorted(ref), name
             differ[f"{name} {graphs}"] = sum(got[i] != ref[i] for i in ref)
             if graphs == "on" or (graphs == "auto" and bsz == 1):
-                assert generator.verifier.captures > 0 and generator.verifier.replays > generator.verifier.captures
+                cache = generator.verifier.graph_cache
+                assert cache.captures > 0 and cache.replays > cache.captures
             if graphs == "auto" and bsz > 1:  # graphs at batch 1 only
-                assert generator.verifier.captures == 0
+                assert generator.verifier.graph_cache.captures == 0
+            if graphs == "iteration" and bsz == 1 and name in ("loop-greedy", "vsd"):  # whole iterations
+                cache = generator.iteration_graphs.graph_cache
+                assert cache.captures > 0 and cache.replays > cache.captures
     assert not any(differ.values()), differ

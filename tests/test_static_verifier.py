@@ -159,5 +159,6 @@ def test_cuda_graphs_replay_the_static_pass(verifier, beam1_reference, bsz):
     static = run_generator(strict_generator(gpu_model, drafter, d, StaticVerifier(gpu_model)), gpu_model, samples)
     graphed = StaticVerifier(gpu_model, graphs=True)
     got = run_generator(strict_generator(gpu_model, drafter, d, graphed), gpu_model, samples)
-    assert graphed.captures > 0 and graphed.replays > graphed.captures
+    cache = graphed.graph_cache
+    assert cache.captures > 0 and cache.replays > cache.captures
     assert_identical(static, got, atol=0)

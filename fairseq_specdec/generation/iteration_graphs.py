@@ -29,10 +29,12 @@ captured the first time it is met, after one eager run on a side stream, and
 replayed after that.  With ``graphs=False`` the same step runs eagerly on the
 same buffers (``--cuda-graphs static``: what the CPU tests run).
 """
-from typing import Callable, Dict, Hashable
+from typing import Callable, Hashable
 
 import torch
 from torch import Tensor
+
+from .graph_cache import GraphCache
 
 
 class StaticState:
@@ -83,20 +85,18 @@ class IterationGraphs:
             raise ValueError(f"--cuda-graphs iteration needs a CUDA device, not {device}")
         self.graphs = graphs
         self.inputs = StaticState(device, dtype)
-        self._captured: Dict[Hashable, tuple] = {}
-        self._pool = None
-        self._key = None  # what the captured graphs were made for (weights)
-        #: steps run here, steps replayed from a graph, and graphs captured
+        #: key -> the step's graph; its counts are read by the tests
+        self.graph_cache = GraphCache()
+        self._key = None  # what the captured graphs were made for
+        #: steps run here
         self.runs = 0
-        self.replays = 0
-        self.captures = 0
 
     def start(self, key: Hashable) -> None:
-        """A new batch; ``key`` changes when the weights the steps read were
-        laid out anew (their graphs would read the old ones): then every
-        graph is dropped."""
+        """A new batch; ``key`` changes when the buffers the steps read were
+        made anew (their graphs would read the old ones): then every graph is
+        dropped."""
         if key != self._key:
-            self._captured.clear()
+            self.graph_cache.clear()
             self._key = key
 
     def run(self, state, key: Hashable, step: Callable[[StaticState], tuple]) -> tuple:
@@ -106,21 +106,4 @@ class IterationGraphs:
         self.runs += 1
         if not self.graphs:
             return step(self.inputs)
-        captured = self._captured.get(key)
-        if captured is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step(self.inputs)  # warm-up: workspaces, the layouts' first checks (it writes what the replay writes)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                outputs = step(self.inputs)
-            captured = self._captured[key] = (graph, outputs)
-            self.captures += 1
-        graph, outputs = captured
-        graph.replay()
-        self.replays += 1
-        return outputs
+        return self.graph_cache.run(key, lambda: step(self.inputs))

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..utils.encoder_out import encoder_states
+from .graph_cache import GraphCache
 from .lean_verifier import LeanVerifier
 
 #: the self-attention cache's capacity is a multiple of this
@@ -95,13 +96,10 @@ class StaticVerifier(LeanVerifier):
         self._caches: Dict[int, Tuple[List[Tensor], List[Tensor]]] = {}
         self._memory: Dict[Tuple[int, int], Tuple[List[tuple], Tensor]] = {}
         self._inputs: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
-        self._captured: Dict[Tuple[int, int, int], tuple] = {}
-        self._pool = None
+        #: (bucket, m, source bucket) -> the pass's graph; its counts are read by the tests
+        self.graph_cache = GraphCache()
         self._laid_out = None  # the weights fingerprint the buffers and graphs were made for
         self._dtype = None
-        #: passes run by replaying a graph, and graphs captured (for the log and the tests)
-        self.replays = 0
-        self.captures = 0
         #: counts the times every buffer was dropped: graphs that read them are stale then
         self.generation = 0
         self._replay = True  # this batch replays the pass's own graphs (not inside a whole-iteration capture)
@@ -117,7 +115,7 @@ class StaticVerifier(LeanVerifier):
         self._caches.clear()
         self._memory.clear()
         self._inputs.clear()
-        self._captured.clear()
+        self.graph_cache.clear()
 
     def start(self) -> None:
         super().start()
@@ -214,25 +212,7 @@ class StaticVerifier(LeanVerifier):
     def _run(self, tokens: Tensor, lengths: Tensor) -> Tuple[Tensor, Tensor]:
         if not (self.graphs and self._replay):
             return self._pass(tokens, lengths)
-        key = (self.rows, tokens.size(1), self.source)
-        captured = self._captured.get(key)
-        if captured is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._pass(tokens, lengths)  # warm-up: workspaces (it writes what the replay writes again)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                outputs = self._pass(tokens, lengths)
-            captured = self._captured[key] = (graph, outputs)
-            self.captures += 1
-        graph, outputs = captured
-        graph.replay()
-        self.replays += 1
-        return outputs
+        return self.graph_cache.run((self.rows, tokens.size(1), self.source), lambda: self._pass(tokens, lengths))
 
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
         bsz, m = tokens.shape
