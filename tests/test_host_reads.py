@@ -128,7 +128,7 @@ def test_a_batch_start_reads_the_weight_fingerprints_once(verifier):
     log = []
     with counting_reads(log):
         lean.start()
-    assert log == ["tolist"]
+    assert len(log) <= 1, log  # one comparison of all sampled values (in C++: torch.equal), not one per weight
     # and a changed weight is still seen (through p.data, as optimizers write),
     # the vocabulary projection's too
     for w in (model.decoder.layers[0].fc1.weight, model.decoder.output_projection.weight):

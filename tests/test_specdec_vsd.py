@@ -146,3 +146,50 @@ def test_negative_shortlist_or_cuts_are_refused_by_name(toy_bin, option):
     _, cfg = H.train_args_namespace(toy_bin, *VSD_ARGS, "--block-size", "4", "--cpu", option, "-1")
     with pytest.raises(ValueError, match=f"{option} must be >= 0"):
         tasks.setup_task(cfg.task).build_model(cfg.model)
+
+
+def _random_vsd_model():
+    from fairseq.data import Dictionary
+    from fairseq_specdec.models.specdec_vsd import SpecDecVSDConfig, SpecDecVSDModel
+
+    torch.manual_seed(3)
+    d = Dictionary()
+    for i in range(40):
+        d.add_symbol(f"w{i}")
+    cfg = SpecDecVSDConfig(embed_dim=32, attention_heads=4, ffn_embed_dim=64, max_positions=48)
+    model = SpecDecVSDModel(cfg, d).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        model.embed_weight.normal_()
+    src = torch.randn(2, 7, 32)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True  # a padded row
+    encoder_out = {"encoder_out": [src.transpose(0, 1)], "encoder_embedding": [torch.randn(2, 7, 32)],
+                   "encoder_padding_mask": [pad]}
+    return model, encoder_out
+
+
+def test_decoding_gathers_the_slots_position_rows_and_soft_copy_from_a_table():
+    """At decoding (no slot tokens), a drafting pass gathers each slot's
+    position row plus soft copy from the batch's table (source_memory with
+    positions) instead of computing them: the same block states, before and
+    after a weight the table comes from changes in place (as an optimizer
+    writes), at positions up to the table's last row."""
+    model, encoder_out = _random_vsd_model()
+    ctx_states, ctx_tokens = torch.randn(2, 32), torch.tensor([5, 9])
+    k = 4
+    with torch.no_grad():
+        for step in range(2):
+            plain = model.source_memory(encoder_out)
+            table = model.source_memory(encoder_out, positions=30)
+            assert "copy_base" in table and "copy_base" not in plain
+            for cuts in (torch.tensor([0, 3]), torch.tensor([26, 11])):  # 26 + 3: the table's last row
+                expected = model.block_states(plain, ctx_states, ctx_tokens, cuts, None, k)
+                got = model.block_states(table, ctx_states, ctx_tokens, cuts, None, k)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            reordered = model.select_memory(table, torch.tensor([1, 1, 0]))
+            assert reordered["copy_base"].shape[0] == 3
+            torch.testing.assert_close(reordered["copy_base"][2], table["copy_base"][0])
+            model.copy_query.weight.data.view(-1)[0] += 5.0  # element 0 is among the watched samples
+            model.positions.weight.data.mul_(-1.0)

@@ -46,7 +46,7 @@ from ..models.protocol import (
 )
 from ..utils import rowgemm
 from ..utils.dictionary import joined_dictionaries
-from ..utils.projection import DerivedWeight, TransposedWeight, weights_fingerprint
+from ..utils.projection import DerivedWeight, TransposedWeight, WeightsWatch
 
 
 class Drafter:
@@ -426,17 +426,17 @@ class VerifierStateDrafter(Drafter):
         self._static = {}  # (rows, source bucket, dtype) -> fixed memory and context buffers
         self._key = ()
         self._extra = 0  # the shortlist's padded count of the batch's extra source types
-        self._weights = None  # the model's weights fingerprint at this batch's start
+        self._weights = WeightsWatch()  # the model's weights; its generation joins the graphs' key
 
     def start_batch(self, state) -> None:
         model = self.model
-        self.memory = model.source_memory(state.encoder_out)
+        self.memory = model.source_memory(state.encoder_out, positions=state.width)
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
         self.projection.start_batch(model.output_weight, None, state.net_input["src_tokens"])
         if self.static:
             self._extra = self.projection.make_static()
             # a graph captured with other weights reads their old layouts: a new key
-            self._weights = weights_fingerprint(list(model.parameters()))
+            self._weights.changed(model.parameters())
             self._to_static()
 
     def static_inputs(self) -> bool:
@@ -481,7 +481,7 @@ class VerifierStateDrafter(Drafter):
         buf["ctx"].copy_(ctx)
         self.memory = {name: buf[name] for name in ("layers", "mask", "copy_keys", "copy_values", "copy_pad")}
         self.ctx_states = buf["ctx"]
-        self._key = (rows, padded, self._extra, self._weights)
+        self._key = (rows, padded, self._extra, self._weights.generation)
 
     def update(self, state, feedback) -> None:
         if self.static:

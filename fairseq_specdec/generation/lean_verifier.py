@@ -29,7 +29,7 @@ from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..utils import rowgemm
-from ..utils.projection import transposed_linear, weights_fingerprint
+from ..utils.projection import WeightsWatch, transposed_linear
 from ..utils.encoder_out import encoder_states
 from .verify_pass import VerifyPass
 
@@ -205,7 +205,7 @@ class LeanVerifier(VerifyPass):
         self.gemm = resolve_gemm(gemm, next(self.decoder.parameters()))
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
         self.layers = []
-        self._weights_key = None
+        self._weights = WeightsWatch()  # the weights the layouts below were made from
         self.keys: List[Tensor] = []
         self.values: List[Tensor] = []
         self.cross: Optional[List[tuple]] = None
@@ -215,27 +215,25 @@ class LeanVerifier(VerifyPass):
         #: compare with the layers' operations)
         self.use_fused = True
 
-    def _parameters_key(self) -> tuple:
-        """Fingerprints of the weights the lean pass lays out (an optimizer's
-        update through ``p.data`` changes no version counter: see
+    def _laid_out_weights(self) -> list:
+        """The weights the lean pass lays out (an optimizer's update through
+        ``p.data`` changes no version counter: see
         :mod:`fairseq_specdec.utils.projection`)."""
         weights = [p for p in self.decoder.layers.parameters()]
         if self._projection is not None:
             proj = self.decoder.output_projection
             weights += [proj.weight] + ([proj.bias] if proj.bias is not None else [])
-        return weights_fingerprint(weights)
+        return weights
 
     def start(self) -> None:
         """A new batch: empty caches; the layers' weights gathered again if
         any changed since the last batch (a model trained in between)."""
         super().start()
-        key = self._parameters_key()
-        if key != self._weights_key:
+        if self._weights.changed(self._laid_out_weights()):
             self.layers = [_Layer(layer, self.gemm) for layer in self.decoder.layers]
             if self._projection is not None:
                 proj = self.decoder.output_projection
                 self.output = make_linear(proj.weight, proj.bias, self.gemm)
-            self._weights_key = key
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None

@@ -98,6 +98,12 @@ class DecodingState:
     def size(self) -> int:
         return len(self.rows)
 
+    @property
+    def width(self) -> int:
+        """Target positions a row can reach: the longest output, a draft past
+        it and the final EOS; a drafter's position tables need no more."""
+        return self.tokens.size(1)
+
     def last_tokens(self) -> Tensor:
         """B x 1: each row's newest accepted token (the BOS before any)."""
         return self.tokens.gather(1, self.lengths.unsqueeze(1))

@@ -98,7 +98,7 @@ class StaticVerifier(LeanVerifier):
         self._inputs: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
         #: (bucket, m, source bucket) -> the pass's graph; its counts are read by the tests
         self.graph_cache = GraphCache()
-        self._laid_out = None  # the weights fingerprint the buffers and graphs were made for
+        self._laid_out = None  # the weights' generation (WeightsWatch) the buffers and graphs were made for
         self._dtype = None
         #: counts the times every buffer was dropped: graphs that read them are stale then
         self.generation = 0
@@ -119,9 +119,9 @@ class StaticVerifier(LeanVerifier):
 
     def start(self) -> None:
         super().start()
-        if self._laid_out != self._weights_key:  # the weights were laid out anew: graphs read the old ones
+        if self._laid_out != self._weights.generation:  # the weights were laid out anew: graphs read the old ones
             self._free()
-            self._laid_out = self._weights_key
+            self._laid_out = self._weights.generation
         self.rows = 0
         self.dynamic = False
         self._replay = True

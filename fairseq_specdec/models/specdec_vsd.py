@@ -43,7 +43,7 @@ from fairseq.models import BaseFairseqModel, register_model
 from fairseq.modules import LayerNorm
 
 from ..utils import rowgemm
-from ..utils.projection import cached_linear, packed_linear
+from ..utils.projection import WeightsWatch, cached_linear, packed_linear
 from .protocol import VerifierStateDrafterModel
 from ..utils.dictionary import dictionary_fingerprint, mask_index
 from ..utils.encoder_out import source_padding
@@ -124,7 +124,7 @@ class BlockLayer(nn.Module):
         if self._fused(x):
             d = c // self.heads
             linears = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
-            norms = [(ln.weight.detach(), ln.bias.detach()) for ln in (self.ln_self, self.ln_cross, self.ln_ffn)]
+            norms = [(ln.weight, ln.bias) for ln in (self.ln_self, self.ln_cross, self.ln_ffn)]  # no gradients here
             cross = tuple(t.reshape(n * self.heads, -1, d) for t in memory)
             pad = ~memory_mask.reshape(n, -1) if memory_mask is not None else None
             scale = 1.0 / math.sqrt(d)  # scaled_dot_product_attention's default
@@ -237,27 +237,60 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
     def _position_rows(self, index: Tensor) -> Tensor:
         return self.positions(index.clamp(0, self.positions.num_embeddings - 1))
 
-    def source_memory(self, encoder_out) -> Dict[str, object]:
+    def source_memory(self, encoder_out, positions: int = 0) -> Dict[str, object]:
         """Per-sentence tensors every drafting pass reads: cross-attention
-        keys/values per layer, the soft-copy keys and values, the mask."""
+        keys/values per layer, the soft-copy keys and values, the mask.
+
+        With ``positions`` (decoding), also ``copy_base`` (B x P x C): for
+        each target position p < P (P = ``positions``, at most the position
+        table's size), its position row plus its soft copy of the source.
+        Both depend on the position only, so a drafting pass gathers its
+        slots' rows instead of computing them; positions past P-1 take row
+        P-1, as positions past the table take its last row."""
         enc = encoder_out["encoder_out"][0].transpose(0, 1)  # B x S x C
         src_embed = encoder_out["encoder_embedding"][0]  # B x S x C
         src_pad = source_padding(encoder_out)
         src_pos = (~src_pad).long().cumsum(1) - 1  # left or right padding alike
-        return {
+        memory = {
             "layers": [layer.memory(enc) for layer in self.layers],
             "mask": (~src_pad)[:, None, None, :],  # N x 1 x 1 x S: True = attend
             "copy_keys": (src_embed + self._position_rows(src_pos)).transpose(1, 2),  # B x C x S
             "copy_values": src_embed,
             "copy_pad": src_pad.unsqueeze(1),
         }
+        if positions > 0:
+            pos, query = self._position_queries(min(positions, self.positions.num_embeddings))
+            memory["copy_base"] = self._soft_copy(query, memory) + pos
+        return memory
+
+    def _soft_copy(self, query: Tensor, memory) -> Tensor:
+        """The slots' soft copy of the source: attention of the position
+        queries (N x k x C, or k x C for every row) over the source tokens'
+        embeddings, keyed by embedding + position."""
+        scores = torch.matmul(query, memory["copy_keys"]) / math.sqrt(query.size(-1))
+        scores = scores.masked_fill(memory["copy_pad"], -math.inf)
+        return torch.bmm(F.softmax(scores.float(), dim=-1).type_as(query), memory["copy_values"])
+
+    def _position_queries(self, count: int) -> Tuple[Tensor, Tensor]:
+        """The position rows of positions 0 .. count-1 and their soft-copy
+        queries (count x C each), made at most once per batch size of the
+        table and kept (outside the state dict) until a weight they come
+        from changes."""
+        cache = self.__dict__.setdefault("_specdec_position_queries", {"watch": WeightsWatch(), "rows": None})
+        weights = [self.positions.weight, self.copy_query.weight]
+        if cache["watch"].changed(weights) or cache["rows"] is None or cache["rows"][0].size(0) < count:
+            pos = self.positions.weight[: max(count, 64)].detach()
+            cache["rows"] = (pos, cached_linear(self.copy_query, pos))
+        pos, query = cache["rows"]
+        return pos[:count], query[:count]
 
     @staticmethod
     def select_memory(memory, index: Tensor) -> Dict[str, object]:
         """:meth:`source_memory` of the rows ``index`` (repeats allowed)."""
+        names = ("mask", "copy_keys", "copy_values", "copy_pad", "copy_base")
         return {
             "layers": [(k.index_select(0, index), v.index_select(0, index)) for k, v in memory["layers"]],
-            **{name: memory[name].index_select(0, index) for name in ("mask", "copy_keys", "copy_values", "copy_pad")},
+            **{name: memory[name].index_select(0, index) for name in names if name in memory},
         }
 
     def block_states(
@@ -271,16 +304,19 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         tokens so far; ``slot_tokens`` (N x k): the mask index, or a revealed
         gold token (glancing); None: every slot is masked (decoding)."""
         ctx = cached_linear(self.fuse, torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1))
-        pos = self._position_rows(cuts.unsqueeze(1) + torch.arange(k, device=cuts.device))  # N x k x C
-        query = cached_linear(self.copy_query, pos)
-        scores = torch.bmm(query, memory["copy_keys"]) / math.sqrt(query.size(-1))
-        scores = scores.masked_fill(memory["copy_pad"], -math.inf)
-        copied = torch.bmm(F.softmax(scores.float(), dim=-1).type_as(query), memory["copy_values"])
-        is_mask = slot_tokens.eq(self.mask_idx) if slot_tokens is not None else None
-        if is_mask is not None and not bool(is_mask.all()):
-            revealed = self.embed_scale * F.embedding(slot_tokens.masked_fill(is_mask, self.padding_idx), self.embed_weight)
-            copied = torch.where(is_mask.unsqueeze(-1), copied, revealed)
-        slots = copied + pos + self.offsets.weight[:k].unsqueeze(0)
+        index = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)  # N x k target positions
+        base = memory.get("copy_base") if slot_tokens is None else None
+        if base is not None:  # decoding: position row + soft copy, gathered
+            index = index.clamp_(max=base.size(1) - 1).unsqueeze(-1).expand(-1, -1, base.size(-1))
+            slots = base.gather(1, index) + self.offsets.weight[:k]
+        else:
+            pos = self._position_rows(index)  # N x k x C
+            copied = self._soft_copy(cached_linear(self.copy_query, pos), memory)
+            is_mask = slot_tokens.eq(self.mask_idx) if slot_tokens is not None else None
+            if is_mask is not None and not bool(is_mask.all()):
+                revealed = self.embed_scale * F.embedding(slot_tokens.masked_fill(is_mask, self.padding_idx), self.embed_weight)
+                copied = torch.where(is_mask.unsqueeze(-1), copied, revealed)
+            slots = copied + pos + self.offsets.weight[:k].unsqueeze(0)
         x = torch.cat([ctx.unsqueeze(1), slots + ctx.unsqueeze(1)], dim=1)
         x = F.dropout(x, self.cfg.dropout, self.training)
         for layer, layer_memory in zip(self.layers, memory["layers"]):

@@ -11,8 +11,8 @@ docs/results/).  Only the exactness tests are relied on for their values.
 **When a cached transpose is trusted.**  Optimizers update parameters through
 ``p.data`` in place, which changes neither the tensor's storage nor its
 version counter, so neither can tell a stale copy.  A copy is therefore
-checked against a fingerprint of its weight (storage, version, dtype and 16
-sampled values) at its first use in every :func:`inference_scope` (one per
+checked against its weight's storage, version, dtype and 16 sampled values
+(:class:`WeightsWatch`) at its first use in every :func:`inference_scope` (one per
 ``generate()`` call of the speculative loop) and at every use outside one;
 inside a scope the weights are taken to be constant.
 """
@@ -41,6 +41,8 @@ def inference_scope():
 
 
 def _sampled_values(weight: Tensor) -> Tensor:
+    """16 values of ``weight``, evenly spaced over its elements: a view of its
+    own storage when it is contiguous (it then follows in-place changes)."""
     flat = weight.detach().reshape(-1)
     return flat[:: max(1, flat.numel() // 16)][:16]
 
@@ -53,44 +55,70 @@ def _version(weight: Tensor) -> int:
     return -1 if weight.is_inference() else weight._version
 
 
-def weight_fingerprint(weight: Tensor) -> tuple:
-    """Storage, version, dtype, device and 16 sampled values of ``weight``."""
-    return (weight.data_ptr(), _version(weight), weight.dtype, weight.device, tuple(_sampled_values(weight).tolist()))
+class WeightsWatch:
+    """Tells whether any of a list of weights (on one device) changed since the
+    last look: its storage, version, dtype, device, shape or 16 sampled values.
 
+    The sampled values of a contiguous weight are read through a view of its
+    storage kept from the last look (the view keeps that storage alive, so an
+    equal ``data_ptr`` is the same storage); all weights' values are then
+    gathered by one ``torch.cat`` and compared with one ``torch.equal``: two
+    tensor operations and one host read for the whole list, however many
+    weights it holds."""
 
-def weights_fingerprint(weights) -> tuple:
-    """:func:`weight_fingerprint` of several tensors (on one device) with one
-    device -> host read of all their sampled values."""
-    weights = list(weights)
-    if not weights:
-        return ()
-    values = torch.cat([_sampled_values(w).to(weights[0].dtype) for w in weights]).tolist()
-    return tuple((w.data_ptr(), _version(w), w.dtype, w.device) for w in weights), tuple(values)
+    def __init__(self):
+        self._meta = None
+        self._views = None
+        self._values = None
+        #: how many times the weights were seen changed (0: never looked)
+        self.generation = 0
+
+    @staticmethod
+    def _meta_of(weights) -> tuple:
+        return tuple((w.data_ptr(), _version(w), w.dtype, w.device, w.shape) for w in weights)
+
+    def _read(self, weights) -> Tensor:
+        dtype = weights[0].dtype
+        values = [view if view is not None else _sampled_values(w) for view, w in zip(self._views, weights)]
+        return torch.cat([v if v.dtype == dtype else v.to(dtype) for v in values])
+
+    def changed(self, weights) -> bool:
+        """Whether ``weights`` differ from those of the last call (True at the
+        first call); remembers them either way."""
+        weights = list(weights)
+        meta = self._meta_of(weights)
+        if meta == self._meta and (not weights or torch.equal(self._read(weights), self._values)):
+            return False
+        self._meta = meta
+        self._views = [_sampled_values(w) if w.is_contiguous() else None for w in weights]
+        self._values = self._read(weights).clone() if weights else None
+        self.generation += 1
+        return True
 
 
 class DerivedWeight:
     """``build(weight, bias)`` (a derived layout: a transpose, a packed
-    weight), rebuilt when the fingerprint of the weight or the bias changes."""
+    weight), rebuilt when the weight or the bias changes (:class:`WeightsWatch`).
+    Checked at the first use in every :func:`inference_scope` and at every use
+    outside one."""
 
     def __init__(self, build):
         self._build = build
-        self._fingerprint = None
+        self._watch = WeightsWatch()
         self._epoch = None
         self._derived = None
 
     def get(self, weight: Tensor, bias: Optional[Tensor] = None):
         if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
             return self._derived
-        fingerprint = (weight_fingerprint(weight), None if bias is None else weight_fingerprint(bias))
-        if fingerprint != self._fingerprint:
+        if self._watch.changed([weight] if bias is None else [weight, bias]):
             self._derived = self._build(weight.detach(), None if bias is None else bias.detach())
-            self._fingerprint = fingerprint
         self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
         return self._derived
 
 
 class TransposedWeight(DerivedWeight):
-    """A contiguous ``weight.t()``, rebuilt when the weight's fingerprint changes."""
+    """A contiguous ``weight.t()``, rebuilt when the weight changes."""
 
     def __init__(self):
         super().__init__(lambda weight, bias: weight.t().contiguous())

@@ -1,0 +1,82 @@
+"""WeightsWatch: the check that decides when a cached weight layout (a
+transpose, packed panels, the lean pass's layers) must be made again.
+Optimizers write through ``p.data``: no version bump, same storage."""
+import torch
+
+from fairseq_specdec.utils.projection import DerivedWeight, WeightsWatch
+
+
+def weights():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30))]
+
+
+def test_first_look_is_a_change_and_an_unchanged_list_is_not():
+    w = weights()
+    watch = WeightsWatch()
+    assert watch.changed(w) and watch.generation == 1
+    assert not watch.changed(w) and not watch.changed(w)
+    assert watch.generation == 1
+
+
+def test_in_place_writes_through_data_are_seen_at_a_sampled_element():
+    w = weights()
+    watch = WeightsWatch()
+    watch.changed(w)
+    version = w[0]._version
+    with torch.no_grad():
+        w[0].data.view(-1)[0] += 1.0  # element 0 is sampled
+    assert w[0]._version == version  # what a version-keyed check would miss
+    assert watch.changed(w)
+    assert not watch.changed(w)
+    with torch.no_grad():
+        w[1].data.mul_(-2.0)
+    assert watch.changed(w)
+
+
+def test_a_new_storage_dtype_or_shape_is_seen():
+    w = weights()
+    watch = WeightsWatch()
+    watch.changed(w)
+    w[0].data = w[0].data.clone()  # same values, another storage
+    assert watch.changed(w)
+    w[1].data = w[1].data.double()
+    assert watch.changed(w)
+    w[1].data = torch.randn(31)
+    assert watch.changed(w)
+    assert watch.changed(w[:1])  # a shorter list
+    assert watch.changed([])
+    assert not watch.changed([])
+
+
+def test_a_non_contiguous_weight_is_read_afresh():
+    base = torch.randn(30, 40)
+    w = [base.t()]  # a transposed view: its sampled values are a copy, read at each look
+    watch = WeightsWatch()
+    watch.changed(w)
+    base[0, 0] += 1.0  # w[0][0, 0]
+    assert watch.changed(w)
+    assert not watch.changed(w)
+
+
+def test_inference_tensors_are_watched_outside_inference_mode():
+    with torch.inference_mode():
+        w = [torch.randn(40, 30)]
+    watch = WeightsWatch()
+    assert watch.changed(w)
+    assert not watch.changed(w)
+    with torch.inference_mode():
+        w[0].view(-1)[0] += 1.0
+    assert watch.changed(w)
+
+
+def test_derived_weight_rebuilds_only_when_the_weight_changes():
+    w, b = weights()
+    built = []
+    derived = DerivedWeight(lambda weight, bias: built.append(1) or weight.t().contiguous() + 0 * bias.sum())
+    first = derived.get(w, b)
+    assert derived.get(w, b) is first and len(built) == 1
+    with torch.no_grad():
+        w.data.view(-1)[0] = 7.0
+    again = derived.get(w, b)
+    assert len(built) == 2 and again[0, 0].item() == 7.0
