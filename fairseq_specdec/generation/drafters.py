@@ -267,7 +267,7 @@ class ShortlistProjection:
         self.bias: Optional[Tensor] = None
         self._base = None  # the frequent (or every) type's layout, callable on x
         self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
-        self._packed = DerivedWeight(lambda weight, bias: rowgemm.PackedLinear(weight))
+        self._packed = DerivedWeight(rowgemm.PackedLinear)
         self._transposed = TransposedWeight()
         self._static = {}  # (padded extra types, dtype, device) -> fixed buffers (make_static)
 
@@ -430,7 +430,8 @@ class VerifierStateDrafter(Drafter):
 
     def start_batch(self, state) -> None:
         model = self.model
-        self.memory = model.source_memory(state.encoder_out, positions=state.width)
+        # the slots' position table, for eager passes (the fixed buffers of static ones leave it out)
+        self.memory = model.source_memory(state.encoder_out, positions=0 if self.static else state.width)
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
         self.projection.start_batch(model.output_weight, None, state.net_input["src_tokens"])
         if self.static:

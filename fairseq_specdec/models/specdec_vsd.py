@@ -43,7 +43,7 @@ from fairseq.models import BaseFairseqModel, register_model
 from fairseq.modules import LayerNorm
 
 from ..utils import rowgemm
-from ..utils.projection import WeightsWatch, cached_linear, packed_linear
+from ..utils.projection import DerivedWeight, cached_linear, packed_linear
 from .protocol import VerifierStateDrafterModel
 from ..utils.dictionary import dictionary_fingerprint, mask_index
 from ..utils.encoder_out import source_padding
@@ -273,15 +273,12 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
 
     def _position_queries(self, count: int) -> Tuple[Tensor, Tensor]:
         """The position rows of positions 0 .. count-1 and their soft-copy
-        queries (count x C each), made at most once per batch size of the
-        table and kept (outside the state dict) until a weight they come
-        from changes."""
-        cache = self.__dict__.setdefault("_specdec_position_queries", {"watch": WeightsWatch(), "rows": None})
-        weights = [self.positions.weight, self.copy_query.weight]
-        if cache["watch"].changed(weights) or cache["rows"] is None or cache["rows"][0].size(0) < count:
-            pos = self.positions.weight[: max(count, 64)].detach()
-            cache["rows"] = (pos, cached_linear(self.copy_query, pos))
-        pos, query = cache["rows"]
+        queries (count x C each): the whole table's, made once and kept
+        (outside the state dict) until a weight they come from changes."""
+        cache = self.__dict__.get("_specdec_position_queries")
+        if cache is None:
+            cache = self.__dict__["_specdec_position_queries"] = DerivedWeight(lambda pos, query: (pos, pos @ query.t()))
+        pos, query = cache.get(self.positions.weight, self.copy_query.weight)
         return pos[:count], query[:count]
 
     @staticmethod

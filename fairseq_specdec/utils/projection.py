@@ -97,10 +97,11 @@ class WeightsWatch:
 
 
 class DerivedWeight:
-    """``build(weight, bias)`` (a derived layout: a transpose, a packed
-    weight), rebuilt when the weight or the bias changes (:class:`WeightsWatch`).
-    Checked at the first use in every :func:`inference_scope` and at every use
-    outside one."""
+    """``build(*tensors)`` (a derived layout: a transpose, a packed weight, a
+    table computed from several weights), rebuilt when any of the tensors it
+    is made from changes (:class:`WeightsWatch`; a None, such as a missing
+    bias, is passed through).  Checked at the first use in every
+    :func:`inference_scope` and at every use outside one."""
 
     def __init__(self, build):
         self._build = build
@@ -108,11 +109,11 @@ class DerivedWeight:
         self._epoch = None
         self._derived = None
 
-    def get(self, weight: Tensor, bias: Optional[Tensor] = None):
+    def get(self, *tensors: Optional[Tensor]):
         if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
             return self._derived
-        if self._watch.changed([weight] if bias is None else [weight, bias]):
-            self._derived = self._build(weight.detach(), None if bias is None else bias.detach())
+        if self._watch.changed([t for t in tensors if t is not None]):
+            self._derived = self._build(*(None if t is None else t.detach() for t in tensors))
         self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
         return self._derived
 
@@ -121,7 +122,7 @@ class TransposedWeight(DerivedWeight):
     """A contiguous ``weight.t()``, rebuilt when the weight changes."""
 
     def __init__(self):
-        super().__init__(lambda weight, bias: weight.t().contiguous())
+        super().__init__(lambda weight: weight.t().contiguous())
 
 
 class TransposedProjection:
