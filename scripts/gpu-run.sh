@@ -9,7 +9,7 @@
 #          specdec_vsd, blockwise heads and the paper's drafter side by side
 #          on the GPU -> checkpoint averaging
 #   bench  scripts/benchmark.py on the GPU at batch 1: fairseq beam 5 and
-#          beam 1, loop-greedy, strict and relaxed draft-verify with the
+#          beam 1, loop-greedy, n-gram drafting from the distillation, strict and relaxed draft-verify with the
 #          specdec_vsd drafter, blockwise, each of the plugin's rows also
 #          with its whole iterations captured (--cuda-graphs iteration);
 #          Tok., ms/sentence, sacreBLEU, peak GPU memory, identity with

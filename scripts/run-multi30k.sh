@@ -3,7 +3,8 @@
 #   prepare -> verifier (teacher) -> distill -> specdec_vsd (reads the
 #   verifier's states; the default drafter) and blockwise heads (Stern et al. 2018)
 #   side by side, one core each -> the paper's Spec-Drafter (init from
-#   verifier, glat_block) alone on both cores -> average -> benchmark
+#   verifier, glat_block) alone on both cores -> average -> benchmark (its
+#   ngram row drafts from the distillation's train split, no model)
 # Every stage logs its progress and time, is skipped when its output exists,
 # and fairseq-train resumes from checkpoint_last.pt after an interruption.
 #
@@ -137,7 +138,7 @@ stage_average() {
 stage_benchmark() {
   local raw; raw=$(raw_multi30k)
   local BENCH_DIR=${BENCH_DIR:-$OUT/benchmark}
-  local rows=beam5,beam1,loop-greedy,strict drafters=() relaxed=()
+  local rows=beam5,beam1,loop-greedy,ngram,strict drafters=() relaxed=()
   # BENCH_RELAXED_BATCH_SIZES=none: no relaxed rows
   if [ "$BENCH_RELAXED_BATCH_SIZES" != none ]; then
     rows=$rows,relaxed relaxed=(--relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES")
@@ -153,7 +154,7 @@ stage_benchmark() {
       drafters+=(--drafter "vsd-fixed=$OUT/vsd/checkpoint_last.pt" --drafter-options "vsd-fixed=--draft-min-confidence 0")
     fi
   fi
-  if [ ${#drafters[@]} = 0 ]; then rows=beam5,beam1,loop-greedy; fi
+  if [ ${#drafters[@]} = 0 ]; then rows=beam5,beam1,loop-greedy,ngram; fi
   local extra=()
   if have "$OUT/blockwise/checkpoint_best.pt"; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt"); rows=$rows,blockwise

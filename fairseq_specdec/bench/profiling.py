@@ -5,7 +5,8 @@ Every decoder is built as ``fairseq-generate`` builds it
 (:func:`fairseq_specdec.bench.loading.load_decoder`), with threads pinned, and
 decodes the same sentences at batch 1 after a warm-up: fairseq's ``--beam 1``,
 then strict draft-verify with ``--drafter``, the blockwise heads of
-``--blockwise`` and greedy decoding through the loop (``--loop-greedy``), as
+``--blockwise``, greedy decoding through the loop (``--loop-greedy``) and
+n-gram drafting from the data directory's train split (``--ngram``), as
 given.  Each component is timed around its call:
 
 * greedy (``SequenceGenerator``, ``--beam 1``): encoder, decoder step (one
@@ -39,6 +40,7 @@ import time
 from collections import defaultdict
 
 from ..generation.drafters import BlockwiseHeadsDrafter, NoDrafter
+from ..generation.ngram import NgramDrafter
 from ..models.protocol import VerifierStateDrafterModel
 from .loading import load_decoder
 from .timing import fairseq_decode, timed_batches, warm_up
@@ -136,6 +138,9 @@ def draft_verify_components(generator):
     elif isinstance(drafter, BlockwiseHeadsDrafter):
         yield drafter, "start_batch", "drafter start of batch (the heads' layout, the shortlist)"
         yield drafter, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
+    elif isinstance(drafter, NgramDrafter):
+        yield drafter, "start_batch", "drafter start of batch (retrieval, the neighbours' table)"
+        yield drafter, "propose", f"n-gram lookups (up to {k} drafts)"
     elif isinstance(model, VerifierStateDrafterModel):
         yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
         yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
@@ -175,6 +180,8 @@ def main(argv=None):
     parser.add_argument("--drafter", help="drafter checkpoint (specdec_nat or specdec_vsd): the draft-verify row")
     parser.add_argument("--blockwise", help="blockwise_transformer checkpoint: a blockwise-heads row")
     parser.add_argument("--loop-greedy", action="store_true", help="also profile greedy decoding through the plugin's loop")
+    parser.add_argument("--ngram", action="store_true",
+                        help="also profile --decoding ngram (drafts from the --data directory's train split)")
     parser.add_argument("--src", default="en")
     parser.add_argument("--tgt", default="de")
     parser.add_argument("--subset", default="test")
@@ -187,8 +194,9 @@ def main(argv=None):
                              "(write it with =, e.g. --extra=\"--adaptive-draft --draft-min-confidence 0.3\")")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    if not (args.drafter or args.blockwise or args.loop_greedy):
-        parser.error("give at least one decoder to profile against fairseq's --beam 1: --drafter, --blockwise or --loop-greedy")
+    if not (args.drafter or args.blockwise or args.loop_greedy or args.ngram):
+        parser.error("give at least one decoder to profile against fairseq's --beam 1: --drafter, --blockwise, "
+                     "--ngram or --loop-greedy")
     for path in (args.verifier, args.drafter, args.blockwise):
         if path is not None and not os.path.exists(path):
             parser.error(f"no such file: {path}")
@@ -209,6 +217,10 @@ def main(argv=None):
     if args.blockwise:
         loops.append(("blockwise heads strict", dict(common, path=args.blockwise,
                                                       extra=["--decoding", "blockwise"] + k + args.extra.split())))
+
+    if args.ngram:
+        loops.append(("n-gram corpus strict", dict(common, path=args.verifier,
+                                                   extra=["--decoding", "ngram"] + k + args.extra.split())))
 
     def calls(timers, prefix):
         return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]

@@ -8,15 +8,21 @@ import os
 
 from fairseq import checkpoint_utils
 
+from ..utils import rowgemm
 from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
+from .ngram import NgramDrafter, load_ngram_corpus
 from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .speculative import DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
 logger = logging.getLogger(__name__)
+
+#: --decoding ngram's k when --block-size is not given, except where the
+#: row-blocked CPU kernel runs (there: its row block less one)
+NGRAM_BLOCK_SIZE = 4
 
 # (option, predicate on its value that means "set to something we cannot honour")
 UNSUPPORTED_OPTIONS = [
@@ -156,6 +162,19 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
     )
 
 
+def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    _no_drafter_model(ctx, "drafts from a corpus (--ngram-split)")
+    cfg, tgt = ctx.cfg, ctx.task.target_dictionary
+    corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order)
+    drafter = NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos())
+    block_size = cfg.block_size
+    if block_size is None:
+        # where the row-blocked kernel computes the verify pass, k + 1 tokens fill its row block
+        cpu_kernel = rowgemm.applies_to(next(ctx.verifier.parameters()))
+        block_size = rowgemm.ROW_BLOCK - 1 if cpu_kernel else NGRAM_BLOCK_SIZE
+    return BuiltDrafter(drafter, block_size, drafter.describe())
+
+
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "never drafts")
     k = ctx.cfg.block_size
@@ -187,6 +206,13 @@ BUILTIN_DECODINGS = (
         _blockwise_drafter, relaxed=False, bench_model="blockwise", bench_label="blockwise heads",
     ),
     Decoding(
+        "ngram",
+        "drafts the continuation of the output's last tokens most frequent in a corpus's targets "
+        "(--ngram-split, e.g. the verifier's own distillation), preferring the sentences whose "
+        "source is most like this one (retrieval: no drafter model)",
+        _ngram_drafter, relaxed=False, bench_label="n-gram corpus",
+    ),
+    Decoding(
         "loop-greedy",
         "no drafter: greedy decoding through the speculative loop, one verifier token per "
         "iteration (separates the loop's own speed from speculation's)",
@@ -199,6 +225,21 @@ def register_builtin_decodings() -> None:
     """Register :data:`BUILTIN_DECODINGS` (the package's ``__init__`` does, once)."""
     for decoding in BUILTIN_DECODINGS:
         register_decoding(decoding)
+
+
+#: --draft-max-rows when it is not given, for a verifier on a CPU (the task's
+#: option help names it); no limit elsewhere
+DRAFT_MAX_ROWS_CPU = 4
+
+
+def draft_max_rows(value, verifier):
+    """The draft policy's ``max_rows`` for ``--draft-max-rows`` ``value``
+    (None: the default for the verifier's device; 0: no limit)."""
+    if value is None:
+        return DRAFT_MAX_ROWS_CPU if next(verifier.parameters()).device.type == "cpu" else None
+    if value < 0:
+        raise ValueError(f"--draft-max-rows must be >= 0 (0 = no limit), got {value}")
+    return value or None
 
 
 def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
@@ -238,6 +279,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             built.block_size,
             adaptive=cfg.adaptive_draft,
             min_confidence=cfg.draft_min_confidence,
+            max_rows=draft_max_rows(getattr(cfg, "draft_max_rows", None), verifier),
         ),
         verify_impl=str(getattr(cfg, "verify_impl", "auto")),
         verify_gemm=str(getattr(cfg, "verify_gemm", "auto")),

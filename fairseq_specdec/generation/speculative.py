@@ -52,11 +52,18 @@ class DraftLengthPolicy:
     * ``min_confidence`` (0 = off): a draft stops before its first token whose
       drafter probability is below this; needs a drafter that returns
       log-probs (others are not cut).
+    * ``max_rows`` (None = no limit): no row drafts while more than this many
+      rows of the batch are unfinished; the loop then takes one verifier
+      token per row and iteration, and drafting starts once enough rows have
+      finished (the tail of a batch).  Where a verify pass costs in
+      proportion to its rows (a CPU at batch 32), verifying drafts for many
+      rows at once costs more than the drafts save.
 
-    Neither changes what strict verification outputs, only what is verified.
+    None of them changes what strict verification outputs, only what is verified.
     """
 
-    def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None):
+    def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None,
+                 max_rows: Optional[int] = None):
         if k < 1:
             raise ValueError(f"--block-size must be >= 1, got {k}")
         if not 0.0 <= min_confidence < 1.0:
@@ -66,6 +73,13 @@ class DraftLengthPolicy:
         self.min_confidence = min_confidence
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.init = min(k, 5) if init is None else max(1, min(k, init))
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"--draft-max-rows must be >= 1 (or 0 for no limit), got {max_rows}")
+        self.max_rows = max_rows
+
+    def drafts_at(self, rows: int) -> bool:
+        """Whether a batch with this many unfinished rows drafts at all."""
+        return self.max_rows is None or rows <= self.max_rows
 
     @property
     def needs_scores(self) -> bool:
@@ -103,6 +117,8 @@ class DraftLengthPolicy:
             parts.append(f"adaptive from {self.init}")
         if self.min_confidence > 0:
             parts.append(f"confidence cut {self.min_confidence}")
+        if self.max_rows is not None:
+            parts.append(f"drafts once at most {self.max_rows} rows are unfinished")
         return ", ".join(parts)
 
 
@@ -202,6 +218,8 @@ class SpeculativeGenerator:
             k = max(0, min(k, limit - max(state.lengths_host)))
         if self.policy.adaptive:
             k = min(k, max(state.draft_k))
+        if not self.policy.drafts_at(state.size):
+            k = 0
         return k
 
     def _draft(self, state: DecodingState, k: int, host_checks: bool = True):

@@ -19,7 +19,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..generation.acceptance import VERIFY_SCORES
-from ..generation.build import build_speculative_generator
+from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
 from ..generation.verify_passes import CUDA_GRAPHS, VERIFY_GEMMS, VERIFY_IMPLS
@@ -125,6 +125,16 @@ class DraftVerifyConfig(TranslationConfig):
             "the README); the output does not change"
         },
     )
+    draft_max_rows: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "speculative decodings: no row drafts while more than this many rows of the batch are "
+            "unfinished (one verifier token per row and iteration until then; 0 = no limit). Default: "
+            f"{DRAFT_MAX_ROWS_CPU} for a verifier on a CPU, where a verify pass costs in proportion to "
+            "its rows and drafting a large batch costs more than it saves (measured in docs/results); no limit "
+            "elsewhere; the output does not change"
+        },
+    )
     verify_impl: VERIFY_IMPL_CHOICES = field(
         default="auto",
         metadata={
@@ -164,6 +174,25 @@ class DraftVerifyConfig(TranslationConfig):
             "can round differently in a near-tie"
         },
     )
+    ngram_split: str = field(
+        default="train",
+        metadata={
+            "help": "--decoding ngram: the binarized split of the data directory whose target "
+            "sentences it drafts from and whose sources it retrieves neighbours by (default train; "
+            "best: the verifier's own greedy distillation of its training set)"
+        },
+    )
+    ngram_order: int = field(
+        default=4,
+        metadata={"help": "--decoding ngram: the longest context, in tokens, whose continuation it looks up"},
+    )
+    ngram_neighbours: int = field(
+        default=20,
+        metadata={
+            "help": "--decoding ngram: corpus sentences retrieved per source sentence (most rare source "
+            "tokens in common), whose continuations come first (0: the whole corpus's only)"
+        },
+    )
     block_size: Optional[int] = field(
         default=None,
         metadata={
@@ -171,6 +200,7 @@ class DraftVerifyConfig(TranslationConfig):
             f"masked targets (default {DEFAULT_BLOCK_SIZE}); decoding default: the drafter's training k (a "
             "specdec_vsd drafter on a CPU where the rowgemm kernel runs: at most 3, so that a pass of k + 1 "
             "rows reads each weight once). "
+            "ngram: default 3 where the rowgemm kernel runs, else 4; "
             "input-guided: caps the draft length (default: no cap); blockwise: caps the heads used "
             "(default: all); a specdec_vsd drafter drafts at most its --max-block tokens; loop-greedy "
             "never drafts and refuses the option"
@@ -270,11 +300,15 @@ class DraftVerifyTask(TranslationTask):
         ("verify_score", "verifier"),
         ("adaptive_draft", False),
         ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
+        ("draft_max_rows", None),
         ("block_size", None),
         ("verify_impl", "auto"),
         ("verify_gemm", "auto"),
         ("cuda_graphs", "auto"),
         ("specdec_stats", None),
+        ("ngram_split", "train"),
+        ("ngram_order", 4),
+        ("ngram_neighbours", 20),
     )
 
     def check_no_speculative_options(self) -> None:

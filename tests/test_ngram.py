@@ -1,0 +1,183 @@
+"""Drafting from a corpus (``--decoding ngram``) and the draft policy's row
+limit (``--draft-max-rows``): the tables against counts made here by hand,
+retrieval, and the strict output identical to fairseq's ``--beam 1``, in
+process and through the stock fairseq-generate."""
+import collections
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import OPTION_SETS, assert_identical, check_stats, speculative_run
+from fairseq_specdec.generation import DraftLengthPolicy
+from fairseq_specdec.generation.ngram import NgramCorpus, NgramDrafter, _most_frequent, load_ngram_corpus
+
+BOS = EOS = 2
+PAD = 1
+
+
+def fake_state(outputs, sources):
+    """The few DecodingState fields the drafter reads: tokens (BOS, output), lengths_host, net_input."""
+    width = max(len(o) for o in outputs) + 2
+    tokens = torch.full((len(outputs), width), PAD, dtype=torch.long)
+    for i, o in enumerate(outputs):
+        tokens[i, : len(o) + 1] = torch.tensor([BOS] + o)
+    src_width = max(len(s) for s in sources)
+    src = torch.full((len(sources), src_width), PAD, dtype=torch.long)
+    for i, s in enumerate(sources):
+        src[i, src_width - len(s):] = torch.tensor(s)  # left padded, as fairseq batches sources
+    return types.SimpleNamespace(tokens=tokens, lengths_host=[len(o) for o in outputs],
+                                 net_input={"src_tokens": src}, size=len(outputs))
+
+
+def test_most_frequent_matches_counting():
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 50, 2000).astype(np.uint64)
+    nexts = rng.integers(0, 6, 2000).astype(np.int64)
+    got_keys, got_nexts = _most_frequent(keys, nexts)
+    counts = collections.defaultdict(collections.Counter)
+    for k, t in zip(keys.tolist(), nexts.tolist()):
+        counts[k][t] += 1
+    want = {k: min(t for t, n in c.items() if n == max(c.values())) for k, c in counts.items()}
+    assert got_keys.tolist() == sorted(want)
+    assert dict(zip(got_keys.tolist(), got_nexts.tolist())) == want
+
+
+# three sentences: after "5 6" comes 7 twice, 9 once
+SOURCES = [[20, 21, EOS], [22, 23, EOS], [20, 24, EOS]]
+TARGETS = [[5, 6, 7, 8, EOS], [5, 6, 9, EOS], [5, 6, 7, 10, EOS]]
+
+
+def test_corpus_continuation_is_the_most_frequent():
+    corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS, skip=(PAD, EOS))
+    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS)
+    state = fake_state([[], [5, 6]], [[30, EOS], [30, EOS]])  # sources the corpus never saw
+    drafter.start_batch(state)
+    drafts, scores = drafter.propose(state, 3)
+    assert scores is None
+    # from the start: 5 6 7 (the corpus's most frequent path); after "5 6": 7, then 8 (tie 8/10: the smaller id)
+    assert drafts.tolist() == [[5, 6, 7], [7, 8, EOS]]
+
+
+def test_neighbours_come_first():
+    corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS, skip=(PAD, EOS))
+    # the rare source tokens of sentence 1 find it, and its "5 6 9" wins over the corpus's "5 6 7"
+    assert corpus.neighbours([22, 23, EOS], 2).tolist() == [1]
+    # token 20 is in 2 of the 3 sentences (more than 1/e of them): it does not count
+    assert corpus.neighbours([20, 24, EOS], 2).tolist() == [2]
+    # equal scores: corpus order
+    assert corpus.neighbours([24, 21, EOS], 3).tolist() == [0, 2]
+    drafter = NgramDrafter(corpus, neighbours=1, pad=PAD, eos=EOS)
+    state = fake_state([[5, 6], [5, 6]], [[22, 23, EOS], [30, EOS]])
+    drafter.start_batch(state)
+    assert drafter.propose(state, 2)[0].tolist() == [[9, EOS], [7, 8]]
+    # rows leave: the kept row keeps its own table and source
+    drafter.reorder(torch.tensor([1]), [1])
+    assert drafter.propose(fake_state([[5, 6]], [[30, EOS]]), 1)[0].tolist() == [[7]]
+
+
+def test_draft_stops_after_eos_and_where_nothing_is_known():
+    corpus = NgramCorpus(SOURCES, TARGETS, order=3, bos=BOS, skip=(PAD, EOS))
+    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS)
+    state = fake_state([[5, 6, 9], [40, 41]], [[30, EOS], [30, EOS]])
+    drafter.start_batch(state)
+    # row 0: "... 9" -> EOS ends the draft; row 1: tokens the corpus never saw -> no draft (pad)
+    assert drafter.propose(state, 4)[0].tolist() == [[EOS], [PAD]]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="--ngram-order"):
+        NgramCorpus(SOURCES, TARGETS, order=0, bos=BOS)
+    corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS)
+    with pytest.raises(ValueError, match="--ngram-neighbours"):
+        NgramDrafter(corpus, neighbours=-1, pad=PAD, eos=EOS)
+    with pytest.raises(ValueError, match="--draft-max-rows"):
+        DraftLengthPolicy(4, max_rows=0)
+
+
+def test_row_limit_policy():
+    policy = DraftLengthPolicy(4, max_rows=2)
+    assert policy.drafts_at(1) and policy.drafts_at(2) and not policy.drafts_at(3)
+    assert DraftLengthPolicy(4).drafts_at(10_000)
+
+
+@pytest.fixture(scope="module")
+def toy_corpus(verifier):
+    model, task = verifier
+    return load_ngram_corpus(task, "train", 4)
+
+
+def mean_accepted(stats):
+    tokens = sum(s["length"] + 1 for s in stats.values())  # EOS included
+    return tokens / sum(s["iterations"] for s in stats.values())
+
+
+@pytest.mark.parametrize("opts", list(OPTION_SETS))
+@pytest.mark.parametrize("bsz", [1, 3, 16])
+def test_ngram_exact(verifier, beam1_reference, toy_corpus, tmp_path, opts, bsz):
+    model, task = verifier
+    d = task.target_dictionary
+    drafter = NgramDrafter(toy_corpus, 20, d.pad(), d.eos())
+    got, stats = speculative_run(model, drafter, d, 3, OPTION_SETS[opts], H.batches(task, "test", bsz), tmp_path / "s.jsonl")
+    assert_identical(beam1_reference(opts, bsz), got)
+    check_stats(stats, got, 3)
+    if opts == "default":
+        # the tiny verifier's output is not its training targets, but some continuations are
+        assert any(a >= 2 for s in stats.values() for a in s["accepted"])
+
+
+def test_a_distilled_corpus_drafts_the_verifier_output(verifier, beam1_reference, tmp_path):
+    """With the verifier's own greedy outputs as the corpus (what distillation
+    makes), each sentence retrieves itself and most drafts are accepted."""
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference("default", 1)
+    samples = list(H.batches(task, "test", 1))
+    sources = [s["net_input"]["src_tokens"][0].tolist() for s in samples]
+    targets = [ref[s["id"].item()]["tokens"].tolist() for s in samples]
+    corpus = NgramCorpus(sources, targets, 4, bos=d.eos(), skip=(d.pad(), d.eos(), d.bos(), d.unk()))
+    got, stats = speculative_run(model, NgramDrafter(corpus, 5, d.pad(), d.eos()), d, 3, OPTION_SETS["default"],
+                                 samples, tmp_path / "s.jsonl")
+    assert_identical(ref, got)
+    assert mean_accepted(stats) > 2.5, mean_accepted(stats)
+
+
+class CountingDrafter(NgramDrafter):
+    """Records the batch size of every pass that drafted."""
+
+    def setup(self):
+        self.drafting_rows = []
+        return self
+
+    def propose(self, state, k):
+        self.drafting_rows.append(state.size)
+        return super().propose(state, k)
+
+
+def test_row_limit_drafts_only_in_the_tail(verifier, beam1_reference, toy_corpus):
+    model, task = verifier
+    d = task.target_dictionary
+    drafter = CountingDrafter(toy_corpus, 20, d.pad(), d.eos()).setup()
+    gen = H.spec_gen(model, drafter, d, 3, OPTION_SETS["default"])
+    gen.policy = DraftLengthPolicy(3, max_rows=2)
+    got = H.run_generator(gen, model, H.batches(task, "test", 16))
+    assert_identical(beam1_reference("default", 16), got)
+    assert drafter.drafting_rows and max(drafter.drafting_rows) <= 2
+
+
+def test_cli_matches_beam1(toy_bin, ar_checkpoint):
+    """Through the stock fairseq-generate, with the default row limit and without it."""
+    ref = H.generate(toy_bin, ar_checkpoint, "--decoding", "autoregressive", task="draft_verify", batch_size=16)
+    for extra in ([], ["--draft-max-rows", "0", "--ngram-neighbours", "5", "--ngram-order", "3"]):
+        got = H.generate(toy_bin, ar_checkpoint, "--decoding", "ngram", *extra, task="draft_verify", batch_size=16)
+        H.assert_same_hypotheses(H.parse_generate(ref.stdout), H.parse_generate(got.stdout))
+        assert "ngram: 50 sentences" in got.stdout + got.stderr  # the statistics line
+
+
+def test_cli_names_a_missing_split(toy_bin, ar_checkpoint):
+    got = H.generate(toy_bin, ar_checkpoint, "--decoding", "ngram", "--ngram-split", "nosuchsplit",
+                     task="draft_verify", check=False)
+    assert got.returncode != 0
+    assert "--ngram-split nosuchsplit" in got.stderr
