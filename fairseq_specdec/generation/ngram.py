@@ -158,7 +158,10 @@ class NgramCorpus:
         if not hits:
             return np.zeros(0, dtype=np.int64)
         scores = np.bincount(np.concatenate(hits), weights=np.concatenate(weights), minlength=self.sentences)
-        candidates = np.flatnonzero(scores)
+        # the top ``count`` lie among the sentences scoring at least half the best, when there are that many
+        candidates = np.flatnonzero(scores >= 0.5 * scores.max())
+        if candidates.size < count:
+            candidates = np.flatnonzero(scores)
         if candidates.size > count:
             candidates = candidates[np.argpartition(-scores[candidates], count - 1)[:count]]
         return candidates[np.lexsort((candidates, -scores[candidates]))]
