@@ -140,10 +140,12 @@ def test_drafter_training_anneals_glance_ratio(nat_training):
 @pytest.fixture(scope="module")
 def strict_runs(toy_bin, ar_checkpoint, random_drafter_checkpoint, nat_checkpoint):
     """{(drafter, batch size): fairseq-generate's output} of strict
-    draft-verify with an untrained and a trained drafter, each run once."""
+    draft-verify with an untrained and a trained drafter, each run once
+    (every row drafts from the start: --draft-max-rows 0)."""
     paths = {"random": random_drafter_checkpoint, "trained": nat_checkpoint}
     return {
-        (drafter, bsz): H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", path, task="draft_verify", batch_size=bsz).stdout
+        (drafter, bsz): H.generate(toy_bin, ar_checkpoint, *DV, "--drafter-path", path, "--draft-max-rows", "0",
+                                       task="draft_verify", batch_size=bsz).stdout
         for drafter, path in paths.items()
         for bsz in (1, 3, 16)
     }

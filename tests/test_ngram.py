@@ -97,6 +97,18 @@ def test_bad_settings_are_refused():
         DraftLengthPolicy(4, max_rows=0)
 
 
+def test_row_limit_default_follows_the_verifier_device():
+    from fairseq_specdec.generation.build import DRAFT_MAX_ROWS_CPU, draft_max_rows
+
+    cpu = torch.nn.Linear(2, 2)
+    assert draft_max_rows(None, cpu) == DRAFT_MAX_ROWS_CPU
+    assert draft_max_rows(0, cpu) is None and draft_max_rows(7, cpu) == 7
+    with pytest.raises(ValueError, match="--draft-max-rows"):
+        draft_max_rows(-1, cpu)
+    if torch.cuda.is_available():
+        assert draft_max_rows(None, cpu.cuda()) is None
+
+
 def test_row_limit_policy():
     policy = DraftLengthPolicy(4, max_rows=2)
     assert policy.drafts_at(1) and policy.drafts_at(2) and not policy.drafts_at(3)

@@ -272,7 +272,7 @@ def test_registered_decoding_is_a_choice(toy_bin, ar_checkpoint, oracle_plugin):
 def test_registered_decoding_decodes_like_beam1(toy_bin, ar_checkpoint, oracle_plugin, tmp_path, bsz):
     plugin, beam1 = oracle_plugin
     stats = tmp_path / "stats.jsonl"
-    proc = H.generate(toy_bin, ar_checkpoint, "--user-dir", plugin, "--decoding", "oracle",
+    proc = H.generate(toy_bin, ar_checkpoint, "--user-dir", plugin, "--decoding", "oracle", "--draft-max-rows", "0",
                       "--specdec-stats", stats, plugin=False, task="draft_verify", batch_size=bsz)
     H.assert_same_hypotheses(beam1, H.parse_generate(proc.stdout))
     assert "oracle: 50 sentences" in proc.stdout

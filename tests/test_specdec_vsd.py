@@ -72,7 +72,7 @@ def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz
     ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify", batch_size=bsz).stdout)
     proc = H.generate(
         toy_bin, ar_checkpoint, "--decoding", "draft-verify", "--drafter-path", vsd_training[0], *extra,
-        task="draft_verify", batch_size=bsz,
+        "--draft-max-rows", "0", task="draft_verify", batch_size=bsz,
     )
     H.assert_same_hypotheses(ref, H.parse_generate(proc.stdout))
     out = proc.stdout + proc.stderr
