@@ -109,8 +109,7 @@ class NgramCorpus:
             seq[at] = bos
             seq[at + 1 : at + 1 + len(t)] = np.asarray(t, dtype=np.int64)
         self.sequences = seq
-        self.positions = self._positions(np.arange(len(targets)))
-        keys, nexts = _context_keys(seq, self.positions, order, {1, order})
+        keys, nexts = _context_keys(seq, self._positions(np.arange(len(targets))), order, {1, order})
         self.keys, self.nexts = _most_frequent(keys, nexts)
         # a dict where it fits (a lookup of a few hundred nanoseconds), else a search of the sorted keys
         self._table = dict(zip(self.keys.tolist(), self.nexts.tolist())) if self.keys.size <= DICT_LIMIT else None
