@@ -169,9 +169,7 @@ def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
     drafter = NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos())
     block_size = cfg.block_size
     if block_size is None:
-        # where the row-blocked kernel computes the verify pass, k + 1 tokens fill its row block
-        cpu_kernel = rowgemm.applies_to(next(ctx.verifier.parameters()))
-        block_size = rowgemm.ROW_BLOCK - 1 if cpu_kernel else NGRAM_BLOCK_SIZE
+        block_size = rowgemm.fitting_block(next(ctx.verifier.parameters()), NGRAM_BLOCK_SIZE)
     return BuiltDrafter(drafter, block_size, drafter.describe())
 
 

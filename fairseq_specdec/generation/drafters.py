@@ -85,6 +85,14 @@ class Drafter:
         return ()
 
 
+def padded_drafts(drafts: List[List[int]], pad: int, like: Tensor) -> Tensor:
+    """Host-made drafts (one list per row, of any lengths) as one B x k'
+    tensor, pad after each row's draft, on ``like``'s device and dtype."""
+    width = max((len(d) for d in drafts), default=0)
+    rows = [d + [pad] * (width - len(d)) for d in drafts]
+    return torch.tensor(rows, dtype=like.dtype).view(len(drafts), width).to(like.device)
+
+
 class NoDrafter(Drafter):
     """Never drafts: the loop then takes one verifier token per iteration
     (greedy decoding through the speculative loop)."""
@@ -230,12 +238,7 @@ class SourceCopyDrafter(Drafter):
         for i, n in enumerate(lengths_host):
             suffix = tokens[i, max(1, n + 1 - self.max_ngram) : n + 1].tolist() if n > 0 else []
             drafts.append(self._continuation(i, suffix)[:k])
-        width = max((len(d) for d in drafts), default=0)
-        out = tokens.new_full((len(drafts), width), self.pad)
-        for i, d in enumerate(drafts):
-            if d:
-                out[i, : len(d)] = torch.tensor(d, dtype=out.dtype)
-        return out, None
+        return padded_drafts(drafts, self.pad, tokens), None
 
     def reorder(self, order, order_host):
         self.sources = [self.sources[i] for i in order_host]
@@ -505,9 +508,7 @@ class VerifierStateDrafter(Drafter):
         again, for drafts that the confidence cut mostly drops; measured in
         docs/results/2026-11-24-ac22bea-vsd-block-size.md); elsewhere the
         training k."""
-        if rowgemm.applies_to(self.model.output_weight):
-            return max(1, min(trained, rowgemm.ROW_BLOCK - 1))
-        return trained
+        return rowgemm.fitting_block(self.model.output_weight, trained)
 
     def describe(self) -> str:
         shortlist = self.model.cfg.shortlist

@@ -29,9 +29,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
-import torch
 
-from .drafters import Drafter
+from .drafters import Drafter, padded_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +95,6 @@ class NgramCorpus:
         if len(sources) != len(targets):
             raise ValueError("the corpus has a different number of source and target sentences")
         self.order = order
-        self.bos = bos
         self.sentences = len(targets)
         # targets: [order sentinels][bos][target ...] per sentence, one array
         lengths = np.array([len(t) for t in targets], dtype=np.int64)
@@ -246,10 +244,7 @@ class NgramDrafter(Drafter):
         for i, n in enumerate(state.lengths_host):
             context = state.tokens[i, max(0, n + 1 - order) : n + 1].tolist()
             drafts.append(self._draft(self._table(i), context, k))
-        width = max((len(d) for d in drafts), default=0)
-        rows = [d + [self.pad] * (width - len(d)) for d in drafts]
-        out = torch.tensor(rows, dtype=state.tokens.dtype).view(len(drafts), width)
-        return out.to(state.tokens.device), None
+        return padded_drafts(drafts, self.pad, state.tokens), None
 
     def reorder(self, order, order_host) -> None:
         self.sources = [self.sources[i] for i in order_host]

@@ -40,6 +40,13 @@ ROW_BLOCK = 4
 ACTIVATIONS = {None: 0, "relu": 1}
 
 
+def fitting_block(weight: Tensor, k: int) -> int:
+    """A draft length for passes over ``weight``'s model: where the kernel
+    computes them (:func:`applies_to`), at most ``ROW_BLOCK - 1``, so that a
+    verify pass of k + 1 rows reads each weight once; elsewhere ``k``."""
+    return max(1, min(k, ROW_BLOCK - 1)) if applies_to(weight) else k
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the kernel cannot run on this machine (None: it can)."""
     if _ext is None:
