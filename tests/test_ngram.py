@@ -36,13 +36,15 @@ def test_most_frequent_matches_counting():
     rng = np.random.default_rng(0)
     keys = rng.integers(0, 50, 2000).astype(np.uint64)
     nexts = rng.integers(0, 6, 2000).astype(np.int64)
-    got_keys, got_nexts = _most_frequent(keys, nexts)
+    got_keys, got_nexts, got_tops, got_totals = _most_frequent(keys, nexts)
     counts = collections.defaultdict(collections.Counter)
     for k, t in zip(keys.tolist(), nexts.tolist()):
         counts[k][t] += 1
     want = {k: min(t for t, n in c.items() if n == max(c.values())) for k, c in counts.items()}
     assert got_keys.tolist() == sorted(want)
     assert dict(zip(got_keys.tolist(), got_nexts.tolist())) == want
+    assert dict(zip(got_keys.tolist(), got_tops.tolist())) == {k: max(c.values()) for k, c in counts.items()}
+    assert dict(zip(got_keys.tolist(), got_totals.tolist())) == {k: sum(c.values()) for k, c in counts.items()}
 
 
 # three sentences: after "5 6" comes 7 twice, 9 once
@@ -52,7 +54,7 @@ TARGETS = [[5, 6, 7, 8, EOS], [5, 6, 9, EOS], [5, 6, 7, 10, EOS]]
 
 def test_corpus_continuation_is_the_most_frequent():
     corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS, skip=(PAD, EOS))
-    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS)
+    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS, min_confidence=0)
     state = fake_state([[], [5, 6]], [[30, EOS], [30, EOS]])  # sources the corpus never saw
     drafter.start_batch(state)
     drafts, scores = drafter.propose(state, 3)
@@ -69,7 +71,7 @@ def test_neighbours_come_first():
     assert corpus.neighbours([20, 24, EOS], 2).tolist() == [2]
     # equal scores: corpus order
     assert corpus.neighbours([24, 21, EOS], 3).tolist() == [0, 2]
-    drafter = NgramDrafter(corpus, neighbours=1, pad=PAD, eos=EOS)
+    drafter = NgramDrafter(corpus, neighbours=1, pad=PAD, eos=EOS, min_confidence=0)
     state = fake_state([[5, 6], [5, 6]], [[22, 23, EOS], [30, EOS]])
     drafter.start_batch(state)
     assert drafter.propose(state, 2)[0].tolist() == [[9, EOS], [7, 8]]
@@ -80,11 +82,24 @@ def test_neighbours_come_first():
 
 def test_draft_stops_after_eos_and_where_nothing_is_known():
     corpus = NgramCorpus(SOURCES, TARGETS, order=3, bos=BOS, skip=(PAD, EOS))
-    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS)
+    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS, min_confidence=0)
     state = fake_state([[5, 6, 9], [40, 41]], [[30, EOS], [30, EOS]])
     drafter.start_batch(state)
     # row 0: "... 9" -> EOS ends the draft; row 1: tokens the corpus never saw -> no draft (pad)
     assert drafter.propose(state, 4)[0].tolist() == [[EOS], [PAD]]
+
+
+@pytest.mark.parametrize("floor, want", [(0.0, [5, 6, 7]), (0.25, [5, 6, 7]), (0.3, [5, 6]), (0.6, [5]), (0.8, [])])
+def test_draft_stops_where_its_confidence_falls_below_the_floor(floor, want):
+    """Confidences by hand: every sentence starts with 5 (3 of 3: 3/4), then 6
+    (3/4), then 7 (2 of 3: 2/4); the draft's confidence is their product
+    (0.75, 0.5625, 0.28125)."""
+    corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS, skip=(PAD, EOS))
+    drafter = NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS, min_confidence=floor)
+    state = fake_state([[]], [[30, EOS]])
+    drafter.start_batch(state)
+    drafts = drafter.propose(state, 3)[0]
+    assert drafts.tolist() == [want] if want else drafts.numel() == 0
 
 
 def test_bad_settings_are_refused():
@@ -93,6 +108,9 @@ def test_bad_settings_are_refused():
     corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS)
     with pytest.raises(ValueError, match="--ngram-neighbours"):
         NgramDrafter(corpus, neighbours=-1, pad=PAD, eos=EOS)
+    for floor in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="--ngram-min-confidence"):
+            NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS, min_confidence=floor)
     with pytest.raises(ValueError, match="--draft-max-rows"):
         DraftLengthPolicy(4, max_rows=0)
 
@@ -140,6 +158,18 @@ def test_ngram_exact(verifier, beam1_reference, toy_corpus, tmp_path, opts, bsz)
         assert any(a >= 2 for s in stats.values() for a in s["accepted"])
 
 
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_ngram_exact_without_confidence_cut(verifier, beam1_reference, toy_corpus, tmp_path, bsz):
+    """Every known context drafted, k = 7: longer and more often rejected drafts, same output."""
+    model, task = verifier
+    d = task.target_dictionary
+    drafter = NgramDrafter(toy_corpus, 20, d.pad(), d.eos(), min_confidence=0.0)
+    got, stats = speculative_run(model, drafter, d, 7, OPTION_SETS["default"], H.batches(task, "test", bsz),
+                                 tmp_path / "s.jsonl")
+    assert_identical(beam1_reference("default", bsz), got)
+    check_stats(stats, got, 7)
+
+
 def test_a_distilled_corpus_drafts_the_verifier_output(verifier, beam1_reference, tmp_path):
     """With the verifier's own greedy outputs as the corpus (what distillation
     makes), each sentence retrieves itself and most drafts are accepted."""
@@ -150,7 +180,8 @@ def test_a_distilled_corpus_drafts_the_verifier_output(verifier, beam1_reference
     sources = [s["net_input"]["src_tokens"][0].tolist() for s in samples]
     targets = [ref[s["id"].item()]["tokens"].tolist() for s in samples]
     corpus = NgramCorpus(sources, targets, 4, bos=d.eos(), skip=(d.pad(), d.eos(), d.bos(), d.unk()))
-    got, stats = speculative_run(model, NgramDrafter(corpus, 5, d.pad(), d.eos()), d, 3, OPTION_SETS["default"],
+    # no confidence cut: every context of this corpus is seen once (confidence 1/2 a token)
+    got, stats = speculative_run(model, NgramDrafter(corpus, 5, d.pad(), d.eos(), 0.0), d, 3, OPTION_SETS["default"],
                                  samples, tmp_path / "s.jsonl")
     assert_identical(ref, got)
     assert mean_accepted(stats) > 2.5, mean_accepted(stats)
@@ -182,10 +213,21 @@ def test_row_limit_drafts_only_in_the_tail(verifier, beam1_reference, toy_corpus
 def test_cli_matches_beam1(toy_bin, ar_checkpoint):
     """Through the stock fairseq-generate, with the default row limit and without it."""
     ref = H.generate(toy_bin, ar_checkpoint, "--decoding", "autoregressive", task="draft_verify", batch_size=16)
-    for extra in ([], ["--draft-max-rows", "0", "--ngram-neighbours", "5", "--ngram-order", "3"]):
+    for extra in ([], ["--draft-max-rows", "0", "--ngram-neighbours", "5", "--ngram-order", "3",
+                       "--ngram-min-confidence", "0"]):
         got = H.generate(toy_bin, ar_checkpoint, "--decoding", "ngram", *extra, task="draft_verify", batch_size=16)
         H.assert_same_hypotheses(H.parse_generate(ref.stdout), H.parse_generate(got.stdout))
         assert "ngram: 50 sentences" in got.stdout + got.stderr  # the statistics line
+
+
+def test_cli_refuses_bad_options_before_reading_the_corpus(toy_bin, ar_checkpoint):
+    """A bad --ngram-* value is named even where the split does not exist: it
+    is checked before any corpus is read."""
+    for option, value in (("--ngram-neighbours", "-1"), ("--ngram-order", "0"), ("--ngram-min-confidence", "1.5")):
+        got = H.generate(toy_bin, ar_checkpoint, "--decoding", "ngram", option, value, "--ngram-split", "nosuchsplit",
+                         task="draft_verify", check=False)
+        assert got.returncode != 0
+        assert option in got.stderr and "nosuchsplit" not in got.stderr
 
 
 def test_cli_names_a_missing_split(toy_bin, ar_checkpoint):

@@ -8,21 +8,20 @@ import os
 
 from fairseq import checkpoint_utils
 
-from ..utils import rowgemm
 from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
-from .ngram import NgramDrafter, load_ngram_corpus
+from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .speculative import DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
 logger = logging.getLogger(__name__)
 
-#: --decoding ngram's k when --block-size is not given, except where the
-#: row-blocked CPU kernel runs (there: its row block less one)
-NGRAM_BLOCK_SIZE = 4
+#: --decoding ngram's k when --block-size is not given: a cap; its confidence
+#: cut (--ngram-min-confidence) decides how much of it a row drafts
+NGRAM_BLOCK_SIZE = 7
 
 # (option, predicate on its value that means "set to something we cannot honour")
 UNSUPPORTED_OPTIONS = [
@@ -165,11 +164,10 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
 def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts from a corpus (--ngram-split)")
     cfg, tgt = ctx.cfg, ctx.task.target_dictionary
+    check_ngram_options(cfg.ngram_order, cfg.ngram_neighbours, cfg.ngram_min_confidence)
     corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order)
-    drafter = NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos())
-    block_size = cfg.block_size
-    if block_size is None:
-        block_size = rowgemm.fitting_block(next(ctx.verifier.parameters()), NGRAM_BLOCK_SIZE)
+    drafter = NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
+    block_size = cfg.block_size if cfg.block_size is not None else NGRAM_BLOCK_SIZE
     return BuiltDrafter(drafter, block_size, drafter.describe())
 
 

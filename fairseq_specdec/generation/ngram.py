@@ -22,6 +22,15 @@ A draft token is the neighbours' continuation of the longest context they
 know, except that the corpus's continuation of a full ``order``-token
 context comes before the neighbours' shorter ones; with neither, the
 corpus's continuation of the last token.  A draft ends after an EOS.
+
+**Confidence.**  Every table entry also says how sure it is: ``c / (n + 1)``
+for a continuation seen ``c`` times among the ``n`` occurrences of its
+context (a context seen once: 1/2; 9 times out of 10: 9/11).  A draft goes on
+while the product of its tokens' confidences, the drafter's estimate that
+the verifier accepts the whole draft so far, stays at least
+``min_confidence``; with none confident enough the row drafts nothing and
+the loop takes a plain greedy step, which costs less than verifying a draft
+that is likely rejected.
 """
 import logging
 import math
@@ -39,6 +48,13 @@ _P = 1_000_003  # hash multiplier
 _ORDER_BITS = 8  # key = hash * 8 + n
 #: corpus tables of at most this many contexts are kept as a dict too
 DICT_LIMIT = 4_000_000
+#: corpora of at most this many positions x --ngram-order keep the keys of every position (8 bytes each: 64 MB at most)
+POSITION_KEYS_LIMIT = 8_000_000
+#: a table value is ``next_token << CONF_BITS | q``, the confidence quantized to ``q / CONF_MAX``
+CONF_BITS = 10
+CONF_MAX = (1 << CONF_BITS) - 1
+#: --ngram-min-confidence's default (chosen by measurement: docs/architecture.md, "Drafting from a corpus")
+NGRAM_MIN_CONFIDENCE = 0.25
 
 
 def _context_keys(sequences: np.ndarray, starts: np.ndarray, order: int, orders: Sequence[int]):
@@ -61,21 +77,28 @@ def _context_keys(sequences: np.ndarray, starts: np.ndarray, order: int, orders:
 
 def _most_frequent(keys: np.ndarray, nexts: np.ndarray):
     """For each distinct key, its most frequent next token (ties: the
-    smallest id).  Returns (sorted distinct keys, their next tokens)."""
+    smallest id), that token's count and the key's count.  Returns (sorted
+    distinct keys, their next tokens, top counts, totals).  Two sorts: the
+    keys to dense ids, then the (id, next) pairs as one integer."""
     if keys.size == 0:
-        return keys, nexts
-    order = np.lexsort((nexts, keys))
-    k, t = keys[order], nexts[order]
-    run = np.ones(k.size, dtype=bool)
-    run[1:] = (k[1:] != k[:-1]) | (t[1:] != t[:-1])
-    starts = np.flatnonzero(run)
-    counts = np.diff(np.append(starts, k.size))
-    rk, rt = k[starts], t[starts]
-    best = np.lexsort((rt, -counts, rk))
-    rk, rt = rk[best], rt[best]
-    first = np.ones(rk.size, dtype=bool)
-    first[1:] = rk[1:] != rk[:-1]
-    return rk[first], rt[first]
+        return keys, nexts, nexts, nexts
+    distinct, ids = np.unique(keys, return_inverse=True)
+    span = int(nexts.max()) + 1
+    pairs, counts = np.unique(ids.astype(np.int64) * span + nexts, return_counts=True)
+    group = pairs // span  # the key's id, ascending; every id has a pair
+    starts = np.flatnonzero(np.diff(group, prepend=-1))
+    totals = np.add.reduceat(counts, starts)
+    # per key, the first of its pairs (smallest next) with the key's largest count
+    best = np.flatnonzero(counts == np.maximum.reduceat(counts, starts)[group])
+    best = best[np.diff(group[best], prepend=-1) != 0]
+    return distinct, pairs[best] % span, counts[best], totals
+
+
+def _table_values(nexts: np.ndarray, tops: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Table values: each next token with its confidence ``top / (total + 1)``
+    (see the module docstring), quantized to ``CONF_BITS`` bits (rounded down)."""
+    q = (tops * CONF_MAX) // (totals + 1)
+    return (nexts << CONF_BITS) | q
 
 
 class NgramCorpus:
@@ -107,10 +130,19 @@ class NgramCorpus:
             seq[at] = bos
             seq[at + 1 : at + 1 + len(t)] = np.asarray(t, dtype=np.int64)
         self.sequences = seq
-        keys, nexts = _context_keys(seq, self._positions(np.arange(len(targets))), order, {1, order})
-        self.keys, self.nexts = _most_frequent(keys, nexts)
+        every = self._positions(np.arange(len(targets)))
+        keys, nexts = _context_keys(seq, every, order, {1, order})
+        self.keys, nexts, tops, totals = _most_frequent(keys, nexts)
+        # the keys of every context length at every position of ``sequences``, where they fit
+        # (a neighbours' table then reads them instead of hashing its sentences again)
+        self._position_keys = None
+        if seq.size * order <= POSITION_KEYS_LIMIT:
+            self._position_keys = np.zeros((order, seq.size), dtype=np.uint64)
+            self._position_keys[:, every] = _context_keys(seq, every, order, range(1, order + 1))[0].reshape(order, -1)
+        #: per key of ``keys``, its table value (see :func:`_table_values`)
+        self.values = _table_values(nexts, tops, totals)
         # a dict where it fits (a lookup of a few hundred nanoseconds), else a search of the sorted keys
-        self._table = dict(zip(self.keys.tolist(), self.nexts.tolist())) if self.keys.size <= DICT_LIMIT else None
+        self._table = dict(zip(self.keys.tolist(), self.values.tolist())) if self.keys.size <= DICT_LIMIT else None
         # retrieval: source token -> sentences (distinct tokens per sentence), inverse document frequency
         skip = set(skip)
         rows, cols = [], []
@@ -122,10 +154,11 @@ class NgramCorpus:
         by_type = np.argsort(cols_a, kind="stable")
         self._posting_rows = rows_a[by_type]
         types, first, counts = np.unique(cols_a[by_type], return_index=True, return_counts=True)
+        # source token -> (first index in _posting_rows, sentences, inverse document frequency)
         self._postings: Dict[int, tuple] = {
-            int(t): (int(f), int(c)) for t, f, c in zip(types.tolist(), first.tolist(), counts.tolist())
+            int(t): (int(f), int(c), math.log(max(1, self.sentences) / c))
+            for t, f, c in zip(types.tolist(), first.tolist(), counts.tolist())
         }
-        self._idf = {t: math.log(max(1, self.sentences) / c) for t, (_, c) in self._postings.items()}
 
     def _positions(self, sentences: np.ndarray) -> np.ndarray:
         """Indexes into ``sequences`` of the target tokens (each with a context) of these sentences."""
@@ -144,17 +177,13 @@ class NgramCorpus:
         out), best first."""
         if count <= 0 or self.sentences == 0:
             return np.zeros(0, dtype=np.int64)
-        hits, weights = [], []
-        for t in set(int(x) for x in source):
-            posting = self._postings.get(t)
-            if posting is None or self._idf[t] <= min_idf:
-                continue
-            first, n = posting
-            hits.append(self._posting_rows[first : first + n])
-            weights.append(np.full(n, self._idf[t]))
-        if not hits:
+        spans = [self._postings.get(t) for t in set(int(x) for x in source)]
+        spans = [p for p in spans if p is not None and p[2] > min_idf]
+        if not spans:
             return np.zeros(0, dtype=np.int64)
-        scores = np.bincount(np.concatenate(hits), weights=np.concatenate(weights), minlength=self.sentences)
+        hits = np.concatenate([self._posting_rows[first : first + n] for first, n, _ in spans])
+        weights = np.repeat([idf for _, _, idf in spans], [n for _, n, _ in spans])
+        scores = np.bincount(hits, weights=weights, minlength=self.sentences)
         # the top ``count`` lie among the sentences scoring at least half the best, when there are that many
         candidates = np.flatnonzero(scores >= 0.5 * scores.max())
         if candidates.size < count:
@@ -164,18 +193,23 @@ class NgramCorpus:
         return candidates[np.lexsort((candidates, -scores[candidates]))]
 
     def table(self, sentences: np.ndarray) -> Dict[int, int]:
-        """The neighbours' table of these sentences: key -> most frequent next token, every order."""
+        """The neighbours' table of these sentences: key -> value (the most
+        frequent next token and its confidence, :func:`_table_values`), every order."""
         positions = self._positions(np.asarray(sentences, dtype=np.int64))
-        keys, nexts = _context_keys(self.sequences, positions, self.order, set(range(1, self.order + 1)))
-        keys, nexts = _most_frequent(keys, nexts)
-        return dict(zip(keys.tolist(), nexts.tolist()))
+        if self._position_keys is not None:
+            keys = self._position_keys[:, positions].ravel()
+            nexts = np.tile(self.sequences[positions], self.order)
+        else:
+            keys, nexts = _context_keys(self.sequences, positions, self.order, set(range(1, self.order + 1)))
+        keys, nexts, tops, totals = _most_frequent(keys, nexts)
+        return dict(zip(keys.tolist(), _table_values(nexts, tops, totals).tolist()))
 
     def lookup(self, key: int) -> Optional[int]:
-        """The corpus table's next token for this key (None where unknown)."""
+        """The corpus table's value for this key (None where unknown)."""
         if self._table is not None:
             return self._table.get(key)
         at = int(np.searchsorted(self.keys, np.uint64(key)))
-        return int(self.nexts[at]) if at < self.keys.size and int(self.keys[at]) == key else None
+        return int(self.values[at]) if at < self.keys.size and int(self.keys[at]) == key else None
 
 
 def context_keys(context: Sequence[int], order: int) -> List[int]:
@@ -193,13 +227,19 @@ class NgramDrafter(Drafter):
     """Drafts from an :class:`NgramCorpus` (see the module docstring).  Before
     a row's first draft it retrieves the row's neighbours and makes their
     table; per iteration it reads the rows' last ``order`` tokens from the
-    host.  Drafts carry no log-probs (the confidence cut does not apply)."""
+    host.  A draft stops before the token at which the product of its
+    tokens' confidences would fall below ``min_confidence`` (0: drafts of k
+    tokens wherever a context is known).  Drafts carry no log-probs (the
+    loop's ``--draft-min-confidence`` does not apply)."""
 
-    def __init__(self, corpus: NgramCorpus, neighbours: int, pad: int, eos: int):
-        if neighbours < 0:
-            raise ValueError(f"--ngram-neighbours must be >= 0, got {neighbours}")
+    def __init__(self, corpus: NgramCorpus, neighbours: int, pad: int, eos: int,
+                 min_confidence: float = NGRAM_MIN_CONFIDENCE):
+        check_options(corpus.order, neighbours, min_confidence)
         self.corpus = corpus
         self.neighbours = neighbours
+        self.min_confidence = min_confidence
+        # the cut in quantized units: a draft continues while prod(q / CONF_MAX) >= min_confidence
+        self._floor = min_confidence * CONF_MAX
         self.pad, self.eos = pad, eos
         self.sources: List[List[int]] = []  # per row, its source tokens
         self.tables: List[Optional[Dict[int, int]]] = []  # per row, its neighbours' table (None: not made yet)
@@ -218,20 +258,28 @@ class NgramDrafter(Drafter):
 
     def _draft(self, table: Dict[int, int], context: List[int], k: int) -> List[int]:
         order = self.corpus.order
+        lookup = self.corpus.lookup
         draft: List[int] = []
+        # the product of the confidences so far, in units of 1 / CONF_MAX
+        sure = float(CONF_MAX)
+        floor = self._floor
         for _ in range(k):
             keys = context_keys(context, order)
-            token = table.get(keys[-1])
-            if token is None:
-                token = self.corpus.lookup(keys[-1])
+            value = table.get(keys[-1])
+            if value is None:
+                value = lookup(keys[-1])
             n = order - 1
-            while token is None and n > 0:
-                token = table.get(keys[n - 1])
+            while value is None and n > 0:
+                value = table.get(keys[n - 1])
                 n -= 1
-            if token is None:
-                token = self.corpus.lookup(keys[0])
-            if token is None:
+            if value is None:
+                value = lookup(keys[0])
+            if value is None:
                 break
+            sure = sure * (value & CONF_MAX) / CONF_MAX
+            if sure < floor:
+                break
+            token = value >> CONF_BITS
             draft.append(token)
             context = context + [token]
             if token == self.eos:
@@ -252,7 +300,17 @@ class NgramDrafter(Drafter):
 
     def describe(self) -> str:
         return (f"n-gram continuations of {self.corpus.sentences} corpus sentences (order {self.corpus.order}, "
-                f"{self.neighbours} neighbours per sentence)")
+                f"{self.neighbours} neighbours per sentence, drafts while confidence >= {self.min_confidence:g})")
+
+
+def check_options(order: int, neighbours: int, min_confidence: float) -> None:
+    """Refuse out-of-range ``--ngram-*`` options (before any corpus is read)."""
+    if order < 1:
+        raise ValueError(f"--ngram-order must be >= 1, got {order}")
+    if neighbours < 0:
+        raise ValueError(f"--ngram-neighbours must be >= 0, got {neighbours}")
+    if not 0.0 <= min_confidence < 1.0:
+        raise ValueError(f"--ngram-min-confidence must be in [0, 1), got {min_confidence}")
 
 
 def load_ngram_corpus(task, split: str, order: int) -> NgramCorpus:

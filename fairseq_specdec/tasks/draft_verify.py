@@ -20,6 +20,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..generation.acceptance import VERIFY_SCORES
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
+from ..generation.ngram import NGRAM_MIN_CONFIDENCE
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
 from ..generation.verify_passes import CUDA_GRAPHS, VERIFY_GEMMS, VERIFY_IMPLS
@@ -193,6 +194,15 @@ class DraftVerifyConfig(TranslationConfig):
             "tokens in common), whose continuations come first (0: the whole corpus's only)"
         },
     )
+    ngram_min_confidence: float = field(
+        default=NGRAM_MIN_CONFIDENCE,
+        metadata={
+            "help": "--decoding ngram: a draft stops before the token at which the product of its "
+            "tokens' confidences (a continuation seen c times in n occurrences of its context: "
+            "c / (n + 1)) would fall below this; a row with no draft confident enough takes a greedy "
+            f"step (default {NGRAM_MIN_CONFIDENCE}; 0: always draft k tokens where a context is known)"
+        },
+    )
     block_size: Optional[int] = field(
         default=None,
         metadata={
@@ -200,7 +210,7 @@ class DraftVerifyConfig(TranslationConfig):
             f"masked targets (default {DEFAULT_BLOCK_SIZE}); decoding default: the drafter's training k (a "
             "specdec_vsd drafter on a CPU where the rowgemm kernel runs: at most 3, so that a pass of k + 1 "
             "rows reads each weight once). "
-            "ngram: default 3 where the rowgemm kernel runs, else 4; "
+            "ngram: default 7, a cap (its confidence cut decides how much a row drafts); "
             "input-guided: caps the draft length (default: no cap); blockwise: caps the heads used "
             "(default: all); a specdec_vsd drafter drafts at most its --max-block tokens; loop-greedy "
             "never drafts and refuses the option"
@@ -309,6 +319,7 @@ class DraftVerifyTask(TranslationTask):
         ("ngram_split", "train"),
         ("ngram_order", 4),
         ("ngram_neighbours", 20),
+        ("ngram_min_confidence", NGRAM_MIN_CONFIDENCE),
     )
 
     def check_no_speculative_options(self) -> None:
