@@ -9,6 +9,8 @@
 // panels of 8 columns ([ceil(N/8)][K][8], zero padded), and each block of 3
 // panels (24 columns) is swept over K with 4 rows x 3 vectors of accumulators
 // held in AVX2 registers; further row groups reuse the block from cache.
+// While a block computes, the next one is prefetched into the L2 cache, so
+// that streaming the weight from memory and computing on it overlap.
 //
 // Arithmetic contract: every output element is
 //     y[i][n] = (sum over k = 0..K-1, in order, of x[i][k] * W[n][k]) + b[n]
@@ -47,14 +49,27 @@ bool cpu_supported() {
 
 #ifdef ROWGEMM_X86
 // R rows (xt: K x R, row-interleaved) against NV consecutive panels.
+// ``next`` (or null): the next block's panels, fetched into the L2 cache
+// while this block computes (NV * 32 bytes per k, the rate this block reads
+// its own), so that a weight streamed from memory arrives before it is
+// needed: in a decoding loop the weights do not stay in the caches between
+// passes, and without it a pass of 4 rows waited for memory and computed in
+// turn.  (Into L1 instead, a block of large K evicts the lines in use.)  A
+// prefetch never faults and changes no result.
 template <int R, int NV>
 __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
     const float* xt, int64_t K, const float* w, int64_t panel_stride, const float* bias, int activation,
-    float* y, int64_t ldy, int64_t ncols) {
+    float* y, int64_t ldy, int64_t ncols, const float* next) {
   __m256 acc[R * NV];
 #pragma GCC unroll 16
   for (int a = 0; a < R * NV; ++a) acc[a] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr && (k & 1) == 0) {
+      // 2 k-steps of NV panels = NV cache lines of the next block
+      const char* line = reinterpret_cast<const char*>(next + (k >> 1) * NV * 16);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) _mm_prefetch(line + v * 64, _MM_HINT_T1);
+    }
     __m256 wv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(w + v * panel_stride + k * kLanes);
@@ -81,18 +96,18 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
 template <int R, int NV>
 __attribute__((target("avx2,fma"))) void block(
     const float* xt, int64_t K, const float* w, int64_t panel_stride, const float* bias, int activation,
-    float* y, int64_t ldy, int64_t ncols) {
-  block_impl<R, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols);
+    float* y, int64_t ldy, int64_t ncols, const float* next) {
+  block_impl<R, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next);
 }
 
 template <int NV>
 void rows_block(int rows, const float* xt, int64_t K, const float* w, int64_t panel_stride, const float* bias,
-                int activation, float* y, int64_t ldy, int64_t ncols) {
+                int activation, float* y, int64_t ldy, int64_t ncols, const float* next) {
   switch (rows) {
-    case 1: block<1, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols); break;
-    case 2: block<2, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols); break;
-    case 3: block<3, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols); break;
-    default: block<4, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols); break;
+    case 1: block<1, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    case 2: block<2, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    case 3: block<3, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    default: block<4, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
   }
 }
 #endif
@@ -167,14 +182,17 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const float* w, int64_t P
       const int64_t col = p * kLanes;
       const float* wb = w + p * panel_stride;
       const float* bb = b != nullptr ? b + col : nullptr;
+      // the next block of this thread's range is fetched during the first row group
+      const float* next = blk + 1 < b1 && nv == kBlockPanels ? wb + kBlockPanels * panel_stride : nullptr;
       for (int64_t g = 0; g < groups; ++g) {
         const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m - g * kGroupRows));
         const float* xg = xd + g * K * kGroupRows;
         float* yg = yd + g * kGroupRows * ldy + col;
         const int64_t ncols = N - col;
-        if (nv == 3) rows_block<3>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols);
-        else if (nv == 2) rows_block<2>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols);
-        else rows_block<1>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols);
+        const float* pf = g == 0 ? next : nullptr;
+        if (nv == 3) rows_block<3>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        else if (nv == 2) rows_block<2>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        else rows_block<1>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
       }
     }
   });
