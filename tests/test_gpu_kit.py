@@ -179,7 +179,8 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
         assert opt("--raw-ref").endswith(".gpu-kit/data/raw/test_2016_flickr.de.gz")
         assert opt("--variant") == "iteration=--cuda-graphs=iteration" and "--keep-going" in bench
         assert [a for a in bench if a.startswith(("paper=", "vsd="))] == [f"vsd={os.path.dirname(opt('--out'))}/vsd/checkpoint_last.pt"]
-    rows = lambda bench: set(bench[bench.index("--rows") + 1].split(","))  # noqa: E731
+    # ct2 joins the rows wherever the ctranslate2 package imports (here, for the dry run; on the GPU machine, if carried)
+    rows = lambda bench: set(bench[bench.index("--rows") + 1].split(",")) - {"ct2"}  # noqa: E731
     assert rows(bench1) == {"beam5", "beam1", "loop-greedy", "ngram", "strict", "relaxed", "blockwise"}
     assert rows(batched) == {"beam5", "beam1", "loop-greedy", "ngram", "strict", "blockwise"} and "--relaxed" not in batched
     assert not any(len(argv) > 1 and argv[1].endswith("roofline.py") for _, argv in cmds)  # a CPU figure

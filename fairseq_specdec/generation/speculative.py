@@ -130,9 +130,9 @@ class SpeculativeGenerator:
     algorithm needs it).  ``host_checks`` adds a read of the drafts that only
     skips work (cutting the verified width after a drafted EOS or pad, and not
     projecting the slots past a ragged row's draft) and sums the running
-    scores on the host.  They pay where a verified row costs real time and host memory is
-    the device's (a CPU), not where a read stalls the device queue (CUDA), so
-    ``None`` (the default) turns them on everywhere but CUDA.  Either way the
+    scores on the host.  They pay where a verified row costs real time and
+    host memory is the device's (a CPU), not where a read stalls the device
+    queue (CUDA), so ``None`` (the default) turns them on everywhere but CUDA.  Either way the
     output is the same: a slot past a stop is never accepted, and both sums
     add in SequenceGenerator's order."""
 
