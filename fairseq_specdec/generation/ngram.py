@@ -25,7 +25,9 @@ corpus's continuation of the last token.  A draft ends after an EOS.
 
 **Confidence.**  Every table entry also says how sure it is: ``c / (n + 1)``
 for a continuation seen ``c`` times among the ``n`` occurrences of its
-context (a context seen once: 1/2; 9 times out of 10: 9/11).  A draft goes on
+context (a context seen once: 1/2; 9 times out of 10: 9/11), kept to 10
+bits and rounded down (1/2 is 511/1023, so two such tokens in a row make
+just under 1/4).  A draft goes on
 while the product of its tokens' confidences, the drafter's estimate that
 the verifier accepts the whole draft so far, stays at least
 ``min_confidence``; with none confident enough the row drafts nothing and
