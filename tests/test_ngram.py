@@ -65,13 +65,14 @@ def test_corpus_continuation_is_the_most_frequent():
 
 def test_large_corpus_path_makes_the_same_tables(monkeypatch):
     """A corpus too large to keep every position's keys hashes its
-    neighbours' sentences per table: the same tables either way."""
+    sentences for each table: the same corpus and neighbours' tables either way."""
     import fairseq_specdec.generation.ngram as ngram
 
     kept = NgramCorpus(SOURCES, TARGETS, order=3, bos=BOS, skip=(PAD, EOS))
     monkeypatch.setattr(ngram, "POSITION_KEYS_LIMIT", 0)
     hashed = NgramCorpus(SOURCES, TARGETS, order=3, bos=BOS, skip=(PAD, EOS))
     assert kept._position_keys is not None and hashed._position_keys is None
+    assert kept.keys.tolist() == hashed.keys.tolist() and kept.values.tolist() == hashed.values.tolist()
     for sentences in ([0], [1, 2], [0, 1, 2]):
         assert kept.table(np.array(sentences)) == hashed.table(np.array(sentences))
         assert len(kept.table(np.array(sentences))) > 0

@@ -133,14 +133,13 @@ class NgramCorpus:
             seq[at + 1 : at + 1 + len(t)] = np.asarray(t, dtype=np.int64)
         self.sequences = seq
         every = self._positions(np.arange(len(targets)))
-        keys, nexts = _context_keys(seq, every, order, {1, order})
-        self.keys, nexts, tops, totals = _most_frequent(keys, nexts)
         # the keys of every context length at every position of ``sequences``, where they fit
-        # (a neighbours' table then reads them instead of hashing its sentences again)
+        # (the tables below then read them instead of hashing the sentences again)
         self._position_keys = None
         if seq.size * order <= POSITION_KEYS_LIMIT:
             self._position_keys = np.zeros((order, seq.size), dtype=np.uint64)
             self._position_keys[:, every] = _context_keys(seq, every, order, range(1, order + 1))[0].reshape(order, -1)
+        self.keys, nexts, tops, totals = _most_frequent(*self._keys_at(every, sorted({1, order})))
         #: per key of ``keys``, its table value (see :func:`_table_values`)
         self.values = _table_values(nexts, tops, totals)
         # a dict where it fits (a lookup of a few hundred nanoseconds), else a search of the sorted keys
@@ -194,16 +193,21 @@ class NgramCorpus:
             candidates = candidates[np.argpartition(-scores[candidates], count - 1)[:count]]
         return candidates[np.lexsort((candidates, -scores[candidates]))]
 
+    def _keys_at(self, positions: np.ndarray, orders: Sequence[int]):
+        """Keys and next tokens of these positions of ``sequences`` for the
+        context lengths ``orders`` (ascending), as :func:`_context_keys`
+        returns them: read from the kept position keys, else hashed."""
+        if self._position_keys is None:
+            return _context_keys(self.sequences, positions, self.order, set(orders))
+        rows = [n - 1 for n in orders]
+        keys = self._position_keys[np.ix_(rows, positions)].ravel()
+        return keys, np.tile(self.sequences[positions], len(rows))
+
     def table(self, sentences: np.ndarray) -> Dict[int, int]:
         """The neighbours' table of these sentences: key -> value (the most
         frequent next token and its confidence, :func:`_table_values`), every order."""
         positions = self._positions(np.asarray(sentences, dtype=np.int64))
-        if self._position_keys is not None:
-            keys = self._position_keys[:, positions].ravel()
-            nexts = np.tile(self.sequences[positions], self.order)
-        else:
-            keys, nexts = _context_keys(self.sequences, positions, self.order, set(range(1, self.order + 1)))
-        keys, nexts, tops, totals = _most_frequent(keys, nexts)
+        keys, nexts, tops, totals = _most_frequent(*self._keys_at(positions, range(1, self.order + 1)))
         return dict(zip(keys.tolist(), _table_values(nexts, tops, totals).tolist()))
 
     def lookup(self, key: int) -> Optional[int]:
