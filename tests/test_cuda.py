@@ -39,6 +39,7 @@ def test_every_strict_decoding_on_cuda_is_beam1(toy_bin, ar_checkpoint, vsd_chec
         "vsd": (f"{ar_checkpoint}:{vsd_checkpoint}", "--decoding", "draft-verify"),
         "nat": (f"{ar_checkpoint}:{nat_checkpoint}", "--decoding", "draft-verify"),
         "blockwise": (blockwise_checkpoint, "--decoding", "blockwise"),
+        "ngram": (ar_checkpoint, "--decoding", "ngram"),  # drafts made on the host from the train split
     }
     differ = {}
     for name, (path, *extra) in rows.items():

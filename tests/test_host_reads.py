@@ -119,6 +119,26 @@ def test_one_host_read_per_iteration_without_host_checks(verifier, reference, bs
     assert 1 < max(with_checks) <= 8, with_checks
 
 
+@pytest.mark.parametrize("kind", ["ngram", "source-copy"])
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_a_host_drafter_reads_every_rows_context_at_once(verifier, kind, bsz):
+    # the drafters that draft on the host read each row's last tokens: one
+    # read for the whole batch, so the loop's one read per iteration becomes two
+    from fairseq_specdec.generation.drafters import SourceCopyDrafter
+    from fairseq_specdec.generation.ngram import NgramDrafter, load_ngram_corpus
+
+    model, task = verifier
+    d = task.target_dictionary
+    if kind == "ngram":
+        drafter = NgramDrafter(load_ngram_corpus(task, "train", 3), neighbours=4, pad=d.pad(), eos=d.eos(),
+                               min_confidence=0.0)
+    else:
+        drafter = SourceCopyDrafter(d.pad(), d.eos())
+    counts = list(reads_per_window(model, task, drafter, False, bsz))
+    assert len(counts) >= 5
+    assert set(counts) == {2}, counts
+
+
 def test_a_batch_start_reads_the_weight_fingerprints_once(verifier):
     from fairseq_specdec.generation.lean_verifier import LeanVerifier
 

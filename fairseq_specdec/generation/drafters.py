@@ -85,6 +85,18 @@ class Drafter:
         return ()
 
 
+def row_tails(state, size: int, first: int = 0) -> List[List[int]]:
+    """Each row's last ``size`` tokens up to its length (``state.tokens[i,
+    max(first, n + 1 - size) : n + 1]`` for a row of length ``n``), read in one
+    read of the columns they span: one device sync on a GPU, not one per row."""
+    lengths = state.lengths_host
+    if not lengths:
+        return []
+    lo, hi = max(first, min(lengths) + 1 - size), max(lengths) + 1
+    block = state.tokens[:, lo:hi].tolist()
+    return [block[i][max(first, n + 1 - size) - lo : n + 1 - lo] for i, n in enumerate(lengths)]
+
+
 def padded_drafts(drafts: List[List[int]], pad: int, like: Tensor) -> Tensor:
     """Host-made drafts (one list per row, of any lengths) as one B x k'
     tensor, pad after each row's draft, on ``like``'s device and dtype."""
@@ -233,12 +245,10 @@ class SourceCopyDrafter(Drafter):
         return []
 
     def propose(self, state, k):
-        tokens, lengths_host = state.tokens, state.lengths_host
-        drafts = []
-        for i, n in enumerate(lengths_host):
-            suffix = tokens[i, max(1, n + 1 - self.max_ngram) : n + 1].tolist() if n > 0 else []
-            drafts.append(self._continuation(i, suffix)[:k])
-        return padded_drafts(drafts, self.pad, tokens), None
+        # each row's output suffix (BOS left out), all rows in one read
+        suffixes = row_tails(state, self.max_ngram, first=1)
+        drafts = [self._continuation(i, suffix)[:k] for i, suffix in enumerate(suffixes)]
+        return padded_drafts(drafts, self.pad, state.tokens), None
 
     def reorder(self, order, order_host):
         self.sources = [self.sources[i] for i in order_host]

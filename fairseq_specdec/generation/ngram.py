@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .drafters import Drafter, padded_drafts
+from .drafters import Drafter, padded_drafts, row_tails
 
 logger = logging.getLogger(__name__)
 
@@ -293,11 +293,9 @@ class NgramDrafter(Drafter):
         return draft
 
     def propose(self, state, k):
-        order = self.corpus.order
-        drafts = []
-        for i, n in enumerate(state.lengths_host):
-            context = state.tokens[i, max(0, n + 1 - order) : n + 1].tolist()
-            drafts.append(self._draft(self._table(i), context, k))
+        # every row's last `order` tokens (BOS included), all rows in one read
+        contexts = row_tails(state, self.corpus.order)
+        drafts = [self._draft(self._table(i), context, k) for i, context in enumerate(contexts)]
         return padded_drafts(drafts, self.pad, state.tokens), None
 
     def reorder(self, order, order_host) -> None:
