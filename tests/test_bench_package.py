@@ -427,3 +427,64 @@ def test_recorded_command_names_the_checkouts_paths_not_the_machines(tmp_path):
     cmd = recorded_command(["--data", f"{tmp_path}/runs/bin", "--drafter", f"vsd={tmp_path}/runs/vsd.pt",
                             "--raw-ref", "/elsewhere/ref.gz"], cwd=str(tmp_path))
     assert cmd.split(" ", 1)[1] == "--data runs/bin --drafter vsd=runs/vsd.pt --raw-ref /elsewhere/ref.gz"
+
+
+def _result(name, bs, seconds, tokens):
+    return dict(name=name, label=name, batch_size=bs, seconds=seconds, sentences=len(tokens),
+                tokens={str(i): t for i, t in enumerate(tokens)}, text={"0": "x"}, ms=[1.0])
+
+
+def _read_partial(path):
+    return {r["name"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def test_partial_rows_carry_identity_once_beam1_has_ended(tmp_path):
+    from fairseq_specdec.bench.partial import PartialRows
+
+    path = tmp_path / "rows.partial.jsonl"
+    rows = PartialRows(str(path))
+    assert path.read_text() == ""
+    ref = [[4, 5, 2], [6, 2], [7, 8, 9, 2]]
+    rows.add(_result("beam5@bs1", 1, 8.0, [[4, 5, 2], [6, 6, 2], [7, 8, 9, 2]]))
+    got = _read_partial(path)
+    assert "identical_to_beam1" not in got["beam5@bs1"] and "tokens" not in got["beam5@bs1"]
+    rows.add(_result("beam1@bs1", 1, 4.0, ref))
+    rows.add(_result("strict@bs1", 1, 2.0, ref))
+    rows.add(_result("beam5@bs8", 8, 1.0, ref))  # another batch size: its own beam 1 has not ended
+    got = _read_partial(path)
+    assert list(got) == ["beam5@bs1", "beam1@bs1", "strict@bs1", "beam5@bs8"]  # the order they ended
+    # beam 5 ended first and was given its comparison when beam 1 ended: one sentence differs
+    assert got["beam5@bs1"]["identical_to_beam1"] is False and got["beam5@bs1"]["differs_from_beam1"] == 1
+    assert got["beam5@bs1"]["speedup_vs_beam1"] == pytest.approx(0.5)
+    assert got["strict@bs1"]["identical_to_beam1"] is True and got["strict@bs1"]["differs_from_beam1"] == 0
+    assert got["strict@bs1"]["speedup_vs_beam1"] == pytest.approx(2.0)
+    assert got["beam1@bs1"]["identical_to_beam1"] is True
+    assert "identical_to_beam1" not in got["beam5@bs8"]
+    assert not (tmp_path / "rows.partial.jsonl.tmp").exists()
+
+
+def test_partial_rows_count_a_missing_sentence_as_different(tmp_path):
+    from fairseq_specdec.bench.partial import PartialRows
+
+    rows = PartialRows(str(tmp_path / "p.jsonl"))
+    rows.add(_result("beam1@bs1", 1, 4.0, [[4, 2], [5, 2]]))
+    short = _result("loop-greedy@bs1", 1, 1.0, [[4, 2]])
+    rows.add(short)
+    got = _read_partial(tmp_path / "p.jsonl")["loop-greedy@bs1"]
+    assert got["identical_to_beam1"] is False and got["differs_from_beam1"] == 1
+
+
+def test_limit_picks_the_same_sentences_at_every_batch_size(toy_bin, ar_checkpoint):
+    # --limit 10 at batch 4 and 8: the batch holding the 10th sentence is cut,
+    # so every batch size decodes the first 10 sentences of fairseq's batch order
+    ids = {}
+    for bsz in (1, 4, 8):
+        spec = dict(data=toy_bin, src="src", tgt="tgt", threads=1, device="cpu", path=ar_checkpoint, beam=1,
+                    batch_size=bsz, limit=10, extra=["--decoding", "autoregressive"])
+        task, _, _, batches = loading.load_decoder(spec)
+        got = [sample["id"].tolist() for sample in batches()]
+        assert all(len(b) <= bsz for b in got)
+        ids[bsz] = [i for b in got for i in b]
+    assert ids[1] == task.dataset("test").ordered_indices()[:10].tolist()  # batch 1 keeps the order
+    assert sorted(ids[4]) == sorted(ids[1]) and sorted(ids[8]) == sorted(ids[1])
+    assert len(task.dataset("test")) == H.SPLIT_SIZES["test"] > 10

@@ -54,6 +54,12 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
     for name in ("speedup-distribution.png", "latency-vs-batch.png", "tok-vs-k.png", "tok-vs-beta-tau.png"):
         assert os.path.getsize(out / name) > 1000, name
     assert "draft-verify strict" in proc.stdout  # the table is printed too
+    # what a run cut short would have kept: every row, with the table's identity with --beam 1
+    partial = [json.loads(line) for line in (out / "rows.partial.jsonl").read_text().splitlines()]
+    assert sorted(r["name"] for r in partial) == sorted(rows)
+    for r in partial:
+        assert r["identical_to_beam1"] == rows[r["name"]]["identical_to_beam1"], r["name"]
+        assert r["speedup_vs_beam1"] == pytest.approx(rows[r["name"]]["speedup_vs_beam1"]), r["name"]
 
 
 def test_profile_script_profiles_loop_greedy_and_blockwise(toy_bin, ar_checkpoint, blockwise_checkpoint, tmp_path):

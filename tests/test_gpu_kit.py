@@ -267,9 +267,16 @@ def test_report_reads_stage_times_trainings_and_the_table(tmp_path):
 def test_report_of_a_benchmark_cut_short_lists_the_rows_it_finished(tmp_path):
     bench = tmp_path / "bench"
     bench.mkdir()
-    (bench / "rows.partial.jsonl").write_text(json.dumps(dict(
-        label="fairseq beam 1", batch_size=1, ms_per_sent=12.5, tok=1.0, sacrebleu=38.2, peak_gpu_mb=210.4)) + "\n")
+    rows = [dict(label="fairseq beam 5", batch_size=1, ms_per_sent=13.0, tok=1.0, sacrebleu=38.9, peak_gpu_mb=220.0),
+            dict(label="fairseq beam 1", batch_size=1, ms_per_sent=12.5, tok=1.0, sacrebleu=38.2, peak_gpu_mb=210.4,
+                 speedup_vs_beam1=1.0, identical_to_beam1=True, differs_from_beam1=0),
+            dict(label="greedy", batch_size=1, ms_per_sent=5.0, tok=1.0, sacrebleu=38.2, peak_gpu_mb=None,
+                 speedup_vs_beam1=2.5, identical_to_beam1=False, differs_from_beam1=3)]
+    (bench / "rows.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = kit_summary.summary(str(tmp_path), None, None, [str(bench), str(tmp_path / "batched")])
-    assert "cut short" in text and "| fairseq beam 1 | 1 | 12.50 | 1.00 | 38.20 | 210 |" in text
+    assert "cut short" in text
+    assert "| fairseq beam 5 | 1 | 13.00 |  | 1.00 | 38.90 | 220 |  |" in text  # ended before beam 1, run killed
+    assert "| fairseq beam 1 | 1 | 12.50 | 1.00x | 1.00 | 38.20 | 210 | yes |" in text
+    assert "| greedy | 1 | 5.00 | 2.50x | 1.00 | 38.20 |  | no (3 differ) |" in text
     assert "| verifier | not trained |" in text
     assert "## Benchmark: batched: not run" in text

@@ -15,7 +15,8 @@ output is token-identical to ``--beam 1`` at that batch size.
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (the table), hypothesis
 files, ``rows.partial.jsonl`` (each row's figures as soon as it ends: what a
-run cut short keeps), and PNG plots (per-sentence speedup distribution, latency vs batch
+run cut short keeps; with the ratio to and identity with ``--beam 1`` once
+that row has ended), and PNG plots (per-sentence speedup distribution, latency vs batch
 size, Tok. vs k and vs beta/tau).
 
 With ``--jobs 2`` two decoders are timed at once (one per core, one thread
@@ -44,6 +45,7 @@ from typing import Dict, List, Optional
 
 from .commands import recorded_command
 from . import ct2, workers
+from .partial import PartialRows
 from .plots import make_plots
 from .scoring import read_lines, score
 from .specs import BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, parse_variants, resolve_rows, with_variants
@@ -187,7 +189,7 @@ def build_parser(decodings) -> argparse.ArgumentParser:
                         help="a row whose decoder fails is left out of the table (its error is logged and listed "
                              "in results.md and results.json) instead of stopping the benchmark; beam5 and beam1 "
                              "rows must still succeed")
-    parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences in fairseq's batch order (shortest sources first)")
+    parser.add_argument("--limit", type=int, default=None, help="decode only the first N sentences in fairseq's batch order (shortest sources first), the same N at every batch size")
     parser.add_argument("--warmup", type=int, default=20, help="sentences decoded before timing")
     parser.add_argument("--sweeps", action="store_true", help="also run the batch-size, k and beta/tau sweeps for the plots")
     parser.add_argument("--sweep-batch-sizes", default="1,2,4,8,16,32,64")
@@ -309,8 +311,7 @@ def main(argv=None):
         tqdm = None
     progress = tqdm(total=len(specs), desc="benchmark", unit="decoder") if tqdm else None
 
-    partial = os.path.join(args.out, "rows.partial.jsonl")
-    open(partial, "w").close()
+    partial = PartialRows(os.path.join(args.out, "rows.partial.jsonl"))
 
     def finished(spec, res):
         res.update({k: spec[k] for k in ("name", "label", "decoding", "drafter", "batch_size")})
@@ -318,8 +319,8 @@ def main(argv=None):
         res["sent_per_s"] = res["sentences"] / res["seconds"]
         res["ms_per_sent"] = 1000.0 * res["seconds"] / res["sentences"]
         # each row as it ends, so that a run cut short keeps what it measured
-        with open(partial, "a") as f:
-            f.write(json.dumps({k: v for k, v in res.items() if k not in ("tokens", "text", "ms")}) + "\n")
+        # (with its identity with --beam 1 once that row has ended)
+        partial.add(res)
         logger.info(f"{spec['name']}: {res['ms_per_sent']:.2f} ms/sentence, Tok. {res['tok']:.2f}, BLEU {res['sacrebleu']}")
         if "summary" in res:
             logger.info(f"  {res['summary']}")

@@ -98,13 +98,23 @@ def key_ratios(results: Dict) -> List[str]:
 
 
 def partial_table(path: str) -> List[str]:
-    """The rows a benchmark cut short finished (``rows.partial.jsonl``)."""
-    lines = ["| decoder | batch | ms/sent | Tok. | sacreBLEU | peak GPU MB |", "|---|---|---|---|---|---|"]
+    """The rows a benchmark cut short finished (``rows.partial.jsonl``), with
+    their ratio to and identity with ``--beam 1`` where that row finished."""
+    lines = ["| decoder | batch | ms/sent | vs beam 1 | Tok. | sacreBLEU | peak GPU MB | = beam 1 |",
+             "|---|---|---|---|---|---|---|---|"]
     with open(path) as f:
         for row in map(json.loads, f):
             gpu = row.get("peak_gpu_mb")
-            lines.append(f"| {row['label']} | {row['batch_size']} | {row['ms_per_sent']:.2f} | {row['tok']:.2f} "
-                         f"| {row['sacrebleu']:.2f} | {'' if gpu is None else f'{gpu:.0f}'} |")
+            ratio = row.get("speedup_vs_beam1")
+            if "identical_to_beam1" not in row:
+                same = ""
+            elif row["identical_to_beam1"]:
+                same = "yes"
+            else:
+                same = f"no ({row['differs_from_beam1']} differ)"
+            lines.append(f"| {row['label']} | {row['batch_size']} | {row['ms_per_sent']:.2f} "
+                         f"| {'' if ratio is None else f'{ratio:.2f}x'} | {row['tok']:.2f} "
+                         f"| {row['sacrebleu']:.2f} | {'' if gpu is None else f'{gpu:.0f}'} | {same} |")
     return lines
 
 
@@ -121,7 +131,8 @@ def benchmark_section(bench: str) -> List[str]:
                 out += ["Key figures:", ""] + [f"- {line}" for line in key_ratios(json.load(f))] + [""]
         return out
     if os.path.exists(partial):
-        return [f"{title} (cut short: the rows it finished, no ratios or identity)", ""] + partial_table(partial) + [""]
+        return ([f"{title} (cut short: the rows it finished; ratios to and identity with --beam 1 where its row "
+                 "finished)", ""] + partial_table(partial) + [""])
     return [f"{title}: not run", ""]
 
 

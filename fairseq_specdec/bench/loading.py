@@ -37,27 +37,38 @@ def setup_task(spec: Dict):
     return cfg, tasks.setup_task(cfg.task)
 
 
+def first_sentences(dataset, limit: int):
+    """``dataset`` cut to the first ``limit`` sentences of its batch order
+    (``ordered_indices``, which does not depend on the batch size), so that
+    every batch size decodes the same sentences; ids stay the dataset's."""
+    from fairseq.data import BaseWrapperDataset
+
+    class FirstSentences(BaseWrapperDataset):
+        def ordered_indices(self):
+            return self.dataset.ordered_indices()[:limit]
+
+    return FirstSentences(dataset)
+
+
 def batch_source(spec: Dict, task, cfg, max_positions, task_cfg=None):
-    """``batches()``: the test set (its first ``spec["limit"]`` sentences) in
-    fairseq's batch order at ``spec["batch_size"]``, on the spec's device.
-    Every row of one batch size, whatever decodes it, sees these batches."""
+    """``batches()``: the test set (its first ``spec["limit"]`` sentences in
+    fairseq's batch order, the same sentences at every batch size) in
+    batches of ``spec["batch_size"]``, on the spec's device.  Every row of
+    one batch size, whatever decodes it, sees these batches."""
     from fairseq import utils
 
     task.load_dataset(cfg.dataset.gen_subset, task_cfg=task_cfg)
     dataset = task.dataset(cfg.dataset.gen_subset)
+    if spec.get("limit") is not None:
+        dataset = first_sentences(dataset, spec["limit"])
     use_cuda = spec.get("device", "cpu") == "cuda"
-    limit = spec.get("limit")
 
     def batches():
         itr = task.get_batch_iterator(
             dataset=dataset, max_sentences=spec["batch_size"], max_positions=max_positions,
             ignore_invalid_inputs=False, num_workers=0,
         ).next_epoch_itr(shuffle=False)
-        seen = 0
         for sample in itr:
-            if limit is not None and seen >= limit:
-                break
-            seen += len(sample["id"])
             yield utils.move_to_cuda(sample) if use_cuda else sample
 
     return batches

@@ -1,0 +1,67 @@
+"""``rows.partial.jsonl``: what a benchmark cut short keeps.
+
+A benchmark writes its tables only when every row has ended.  On a machine
+lent for minutes (the GPU kit, scripts/gpu-run.sh) a run can be stopped
+before that, so each row's figures are written as soon as the row ends, one
+JSON object a line, in the order the rows ended.
+
+Invariant: after every ``add``, the file holds every row ended so far (its
+figures, without the hypotheses), and each row whose batch size's ``--beam 1``
+row has ended also holds ``speedup_vs_beam1``, ``identical_to_beam1`` and
+``differs_from_beam1``, computed as ``compare_with_beams`` computes them for
+the whole table.  A row that ended before its ``--beam 1`` row gets them when
+that row ends (the file is rewritten whole, through a temporary file, so a
+run killed while writing leaves the previous version).
+"""
+import json
+import os
+from typing import Dict, List, Tuple
+
+#: the fields of a result that stay out of the file (per-sentence data)
+BULKY = ("tokens", "text", "ms")
+
+
+def beam1_name(batch_size: int) -> str:
+    return f"beam1@bs{batch_size}"
+
+
+def compared(record: Dict, tokens: Dict, beam1: Dict) -> Dict:
+    """``record`` with its ratio to and identity with ``beam1`` (a full result)."""
+    ref = beam1["tokens"]
+    out = dict(record)
+    out["speedup_vs_beam1"] = beam1["seconds"] / record["seconds"]
+    out["identical_to_beam1"] = all(tokens.get(k) == ref[k] for k in ref)
+    out["differs_from_beam1"] = sum(tokens.get(k) != ref[k] for k in ref)
+    return out
+
+
+class PartialRows:
+    """The rows ended so far, kept in ``path`` (see the module's docstring)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.ended: List[Tuple[Dict, Dict]] = []  # (figures, tokens) in the order the rows ended
+        self.beam1: Dict[int, Dict] = {}  # batch size -> the --beam 1 result
+        self._write()
+
+    def add(self, result: Dict) -> None:
+        """One ended row: a worker's result with its spec's ``name`` and ``batch_size``."""
+        record = {k: v for k, v in result.items() if k not in BULKY}
+        self.ended.append((record, result.get("tokens", {})))
+        if result["name"] == beam1_name(result["batch_size"]):
+            self.beam1[result["batch_size"]] = result
+        self._write()
+
+    def records(self) -> List[Dict]:
+        out = []
+        for record, tokens in self.ended:
+            beam1 = self.beam1.get(record["batch_size"])
+            out.append(compared(record, tokens, beam1) if beam1 is not None else record)
+        return out
+
+    def _write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for record in self.records():
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, self.path)
