@@ -343,6 +343,27 @@ def test_variants_repeat_only_the_plugins_rows():
     assert "--cuda-graphs" not in rows["beam1@bs1"]["extra"]
 
 
+def test_a_variant_for_some_row_kinds_repeats_only_their_rows():
+    """--variant LABEL:KINDS=OPTIONS: only the rows of those --rows kinds run
+    again (the GPU kit's whole-iteration graphs, which at batch 1 differ from
+    the default only for loop-greedy and specdec_vsd)."""
+    kinds = ["beam5", "beam1", "strict", "relaxed", "loop-greedy", "ngram", "blockwise"]
+    variants = specs.parse_variants(["it:loop-greedy,draft-verify,relaxed=--cuda-graphs iteration"], kinds)
+    assert variants == [specs.Variant("it", ("--cuda-graphs", "iteration"), ("loop-greedy", "strict", "relaxed"))]
+    with pytest.raises(ValueError, match="no row kind 'stric'"):
+        specs.parse_variants(["it:stric=--cuda-graphs iteration"], kinds)
+    for bad in (["it:=--x"], ["it:,=--x"]):
+        with pytest.raises(ValueError, match="LABEL:ROW,ROW=OPTIONS"):
+            specs.parse_variants(bad, kinds)
+    build = builder(drafters=("vsd",))
+    base = build.main_rows(["beam5", "beam1", "loop-greedy", "ngram", "strict", "relaxed"], [1, 8], [1], [("5", "3")])
+    names = [r["name"] for r in specs.with_variants(base, variants)]
+    added = [n for n in names if n not in {r["name"] for r in base}]
+    assert added == ["loop-greedy+it@bs1", "strict-vsd+it@bs1", "b5t3-vsd+it@bs1",
+                     "loop-greedy+it@bs8", "strict-vsd+it@bs8"]
+    assert names.index("strict-vsd+it@bs1") == names.index("strict-vsd@bs1") + 1  # right after itself
+
+
 def test_roofline_command_reports_the_verify_pass_by_width():
     """scripts/roofline.py --shape demo --json: the measured cost of a verify
     pass of each width, for every product implementation this machine runs,

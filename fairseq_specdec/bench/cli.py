@@ -48,7 +48,8 @@ from . import ct2, workers
 from .partial import PartialRows
 from .plots import make_plots
 from .scoring import read_lines, score
-from .specs import BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, parse_variants, resolve_rows, with_variants
+from .specs import (BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, parse_variants, resolve_rows, row_kinds,
+                    with_variants)
 
 logger = logging.getLogger("benchmark")
 DEVICES = ("auto", "cpu", "cuda")
@@ -148,10 +149,12 @@ def build_parser(decodings) -> argparse.ArgumentParser:
                         help="more fairseq-generate options for the rows of drafter LABEL, one string, e.g. "
                              "--drafter-options 'vsd=--adaptive-draft --draft-min-confidence 0.3' (the same "
                              "checkpoint under two labels compares two settings)")
-    parser.add_argument("--variant", action="append", metavar="LABEL=OPTIONS",
+    parser.add_argument("--variant", action="append", metavar="LABEL[:ROWS]=OPTIONS",
                         help="run every row of the plugin's decodings (not fairseq's, not CTranslate2's) again with "
                              "more fairseq-generate options, named ROW+LABEL, e.g. --variant 'graphs=--cuda-graphs on' "
-                             "(repeatable; every row is still compared with the same beam 5 and beam 1 rows)")
+                             "(repeatable; every row is still compared with the same beam 5 and beam 1 rows); "
+                             "LABEL:ROWS=OPTIONS runs only the rows of those --rows kinds again, e.g. "
+                             "'graphs:loop-greedy,strict=--cuda-graphs on'")
     parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
     parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
                         help=f"decoders to run: {', '.join(BUILTIN_ROWS)} (strict and relaxed: draft-verify with every "
@@ -271,6 +274,7 @@ def main(argv=None):
     try:
         device = resolve_device(args.device)
         wanted = resolve_rows(args.rows, decodings, args.drafters, args.blockwise)
+        args.variants = parse_variants(args.variant, row_kinds(decodings))  # the kinds of LABEL:KINDS too
         if any(kind in ct2.COMPUTE_TYPES for kind in wanted):
             ct2.check_device(device)
     except ValueError as e:

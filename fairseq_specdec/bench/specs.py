@@ -90,18 +90,27 @@ def parse_drafters(values: Optional[Sequence[str]], options: Optional[Sequence[s
 
 @dataclass(frozen=True)
 class Variant:
-    """One ``--variant LABEL=OPTIONS``: every row of the plugin's decodings
-    again, with more fairseq-generate options (``loop-greedy+LABEL@bs1``)."""
+    """One ``--variant LABEL[:KINDS]=OPTIONS``: every row of the plugin's
+    decodings (or only those of the ``--rows`` kinds listed in ``KINDS``,
+    comma-separated) again, with more fairseq-generate options
+    (``loop-greedy+LABEL@bs1``)."""
 
     label: str
     options: Tuple[str, ...]
+    kinds: Optional[Tuple[str, ...]] = None  # None: every row of the plugin's decodings
 
     @classmethod
     def parse(cls, value: str) -> "Variant":
-        label, sep, options = value.partition("=")
-        if not sep or not LABEL.fullmatch(label) or not options.split():
-            raise ValueError(f"--variant {value!r}: expected LABEL=OPTIONS, e.g. 'graphs=--cuda-graphs on'")
-        return cls(label, tuple(options.split()))
+        head, sep, options = value.partition("=")
+        label, colon, kinds = head.partition(":")
+        wanted = tuple("strict" if k.strip() == DRAFT_VERIFY else k.strip() for k in kinds.split(",") if k.strip())
+        if not sep or not LABEL.fullmatch(label) or not options.split() or (colon and not wanted):
+            raise ValueError(f"--variant {value!r}: expected LABEL=OPTIONS or LABEL:ROW,ROW=OPTIONS, e.g. "
+                             "'graphs=--cuda-graphs on' or 'graphs:loop-greedy,strict=--cuda-graphs on'")
+        return cls(label, tuple(options.split()), wanted or None)
+
+    def applies(self, spec: Dict) -> bool:
+        return self.kinds is None or spec.get("kind") in self.kinds
 
     def apply(self, spec: Dict) -> Dict:
         name, at, where = spec["name"].partition("@")
@@ -109,23 +118,30 @@ class Variant:
                     extra=list(spec["extra"]) + list(self.options), variant=self.label)
 
 
-def parse_variants(values: Optional[Sequence[str]]) -> List[Variant]:
+def parse_variants(values: Optional[Sequence[str]], kinds: Optional[Sequence[str]] = None) -> List[Variant]:
+    """Every ``--variant``; ``ValueError`` if two share a label or one names a
+    row kind that is not in ``kinds`` (when given: the kinds ``--rows`` takes)."""
     variants = [Variant.parse(v) for v in values or []]
     labels = [v.label for v in variants]
     if len(set(labels)) < len(labels):
         raise ValueError(f"--variant: two variants share a label ({', '.join(labels)})")
+    for v in variants:
+        unknown = [k for k in v.kinds or () if kinds is not None and k not in kinds]
+        if unknown:
+            raise ValueError(f"--variant {v.label}: no row kind {', '.join(map(repr, unknown))} "
+                             f"(kinds: {', '.join(kinds)})")
     return variants
 
 
 def with_variants(specs: Sequence[Dict], variants: Sequence[Variant]) -> List[Dict]:
     """``specs``, each row of the plugin's decodings followed by itself under
-    every variant (fairseq's own rows and CTranslate2's run once: the options
-    are the plugin's)."""
+    every variant that applies to its kind (fairseq's own rows and
+    CTranslate2's run once: the options are the plugin's)."""
     out = []
     for spec in specs:
         out.append(spec)
         if spec["decoding"] not in (AUTOREGRESSIVE, "ctranslate2"):
-            out += [variant.apply(spec) for variant in variants]
+            out += [variant.apply(spec) for variant in variants if variant.applies(spec)]
     return out
 
 
@@ -234,22 +250,30 @@ class RowSpecs:
         specs = []
         for bs in batch_sizes:
             for kind in wanted:
-                if kind == "beam5":
-                    specs.append(self.autoregressive(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5))
-                elif kind == "beam1":
-                    specs.append(self.autoregressive(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
-                elif kind == "strict":
-                    specs += [self.draft_verify(d, f"strict@bs{bs}", "draft-verify strict", bs) for d in self.drafters]
-                elif kind in ct2.COMPUTE_TYPES:
-                    specs.append(self.ctranslate2(kind, bs))
-                elif kind == "relaxed":
-                    if bs in relaxed_batch_sizes:
-                        specs += [self.draft_verify(d, f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}",
-                                                    bs, int(beta), float(tau))
-                                  for d in self.drafters for beta, tau in grid]
-                else:
-                    specs += self.registered(kind, bs)
+                first = len(specs)
+                self._add_rows(specs, kind, bs, relaxed_batch_sizes, grid)
+                for spec in specs[first:]:
+                    spec["kind"] = kind  # the --rows kind it came from (--variant LABEL:KINDS)
         return specs
+
+    def _add_rows(self, specs: List[Dict], kind: str, bs: int, relaxed_batch_sizes: Sequence[int],
+                  grid: Sequence[Tuple[str, str]]) -> None:
+        """Appends the rows of one ``--rows`` kind at batch size ``bs``."""
+        if kind == "beam5":
+            specs.append(self.autoregressive(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5))
+        elif kind == "beam1":
+            specs.append(self.autoregressive(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
+        elif kind == "strict":
+            specs += [self.draft_verify(d, f"strict@bs{bs}", "draft-verify strict", bs) for d in self.drafters]
+        elif kind in ct2.COMPUTE_TYPES:
+            specs.append(self.ctranslate2(kind, bs))
+        elif kind == "relaxed":
+            if bs in relaxed_batch_sizes:
+                specs += [self.draft_verify(d, f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}",
+                                            bs, int(beta), float(tau))
+                          for d in self.drafters for beta, tau in grid]
+        else:
+            specs += self.registered(kind, bs)
 
     def sweep_rows(self, batch_sizes: Sequence[int], ks: Sequence[int], beta_tau: Sequence[Tuple[int, float]]) -> List[Dict]:
         """Latency vs batch size (beam 1 and strict), Tok. vs k, Tok. vs beta/tau, for every drafter."""
