@@ -6,8 +6,9 @@
 #          commands and the plugin on the paths, record the machine (env.txt)
 #   train  the Multi30k recipe's training stages with the GPU kit's budgets
 #          (configs/multi30k-gpu-kit.sh): verifier -> greedy distillation ->
-#          specdec_vsd, blockwise heads and the paper's drafter side by side
-#          on the GPU -> checkpoint averaging
+#          specdec_vsd and the blockwise heads side by side on the GPU (with
+#          BENCH_DRAFTERS="paper vsd" also the paper's drafter, then its
+#          checkpoint averaging)
 #   bench  scripts/benchmark.py on the GPU at batch 1: fairseq beam 5 and
 #          beam 1, loop-greedy, n-gram drafting from the distillation, strict and relaxed draft-verify with the
 #          specdec_vsd drafter, blockwise, each of the plugin's rows also
@@ -71,13 +72,21 @@ export PYTHON=${PYTHON:-python3}
 BATCHED=${KIT_BATCHED:-8,64}
 PHASE_SECONDS=${PHASE_SECONDS:-540}
 
+# the paper's Spec-Drafter is trained (and averaged) only when the benchmark
+# has its rows (BENCH_DRAFTERS="paper vsd"; the config's default is vsd)
+TRAIN_STAGES="verifier distill vsd+blockwise"
+case " ${BENCH_DRAFTERS:-vsd} " in
+  *" paper "*) TRAIN_STAGES="verifier distill vsd+blockwise+drafter average" ;;
+esac
+
 # phase NAME [--dry-run]: the recipe's stages of one phase, with its benchmark's settings
 phase() {
   local name=$1; shift
   case "$name" in
-    train) bash "$HERE/scripts/run-multi30k.sh" "$@" verifier distill vsd+blockwise+drafter average ;;
-    bench) BENCH_DIR=$RUN/benchmark bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
-    batched) BENCH_DIR=$RUN/benchmark-batched BENCH_BATCH_SIZES=$BATCHED BENCH_RELAXED_BATCH_SIZES=none \
+    # shellcheck disable=SC2086  # TRAIN_STAGES: one word per stage
+    train) bash "$HERE/scripts/run-multi30k.sh" "$@" $TRAIN_STAGES ;;
+    bench) KIT_PHASE=bench BENCH_DIR=$RUN/benchmark bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
+    batched) KIT_PHASE=batched BENCH_DIR=$RUN/benchmark-batched BENCH_BATCH_SIZES=$BATCHED BENCH_RELAXED_BATCH_SIZES=none \
                bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
   esac
 }
@@ -88,6 +97,7 @@ if [ "$DRY" = 1 ]; then
   echo "# scripts/gpu-run.sh --dry-run --phase $PHASE (KIT_MODEL=$KIT_MODEL, config $CONFIG)"
   echo "# setup: install the kit's wheels, nothing downloaded"
   echo "$PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $KIT/wheels/*.whl"
+  echo "$PYTHON -m compileall -q -j 0 $SITE"
   echo "export PYTHONPATH=$SITE:$HERE PATH=$SITE/bin:\$PATH"
   for p in "${PHASES[@]}"; do echo "# phase $p, at most $PHASE_SECONDS s"; phase "$p" --dry-run; done
   echo "# results: $RESULTS/{gpu-run.log,env.txt,summary.md,results.md,results-batched.md,train-logs.tar.gz,benchmark.tar.gz}"
@@ -108,6 +118,11 @@ if ls "$KIT"/wheels/*.whl > /dev/null 2>&1; then
   if [ ! -f "$SITE/.installed" ]; then
     log "installing $(ls "$KIT"/wheels/*.whl | wc -l) wheels into $SITE"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/wheels/*.whl
+    # Byte-compile once, on every core. Where PYTHONDONTWRITEBYTECODE is set
+    # (the H100 run's log showed fairseq's compile-time warning in every
+    # process), each of the run's 50-odd processes would otherwise compile
+    # fairseq anew: 3.5 s of a 6.8 s import on the CPU machine.
+    "$PYTHON" -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || log "compileall: some files of $SITE did not compile (they are compiled when imported)"
     touch "$SITE/.installed"
   fi
   export PYTHONPATH=$SITE:$HERE${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH
@@ -158,7 +173,7 @@ collect() {
 trap collect EXIT
 
 export -f phase
-export HERE RUN BATCHED
+export HERE RUN BATCHED TRAIN_STAGES
 for p in "${PHASES[@]}"; do
   t=$(date +%s) status=0
   timeout "$PHASE_SECONDS" bash -c 'phase "$1"' _ "$p" || status=$?

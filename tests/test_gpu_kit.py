@@ -157,8 +157,15 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
     cmds = commands(out)
     install = [argv for _, argv in cmds if argv[:4] == ["python3", "-m", "pip", "install"]]
     assert install and {"--no-index", "--no-deps"} <= set(install[0])
+    # then compiled once (every later process imports fairseq without compiling it)
+    target = install[0][install[0].index("--target") + 1]
+    assert ["python3", "-m", "compileall", "-q", "-j", "0", target] in [argv for _, argv in cmds]
     trains = trainings(out)
-    assert set(trains) == {"verifier", "vsd", "blockwise", "drafter"}
+    # the paper's drafter has no rows by default (BENCH_DRAFTERS=vsd), so it is not trained
+    assert set(trains) == {"verifier", "vsd", "blockwise"} and "average-checkpoints.py" not in out
+    with_paper = dry_run(tmp_path, BENCH_DRAFTERS="paper vsd")
+    trains.update(drafter=trainings(with_paper)["drafter"])
+    assert "average-checkpoints.py" in with_paper and "paper=" in with_paper
     budgets = {"verifier": (2500, "3"), "vsd": (1500, "2.5"), "blockwise": (1500, "2.5"), "drafter": (1500, "2.5")}
     for name, (budget, args) in trains.items():
         updates, minutes = budgets[name]
@@ -172,12 +179,15 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
     assert distill[3].endswith(".gpu-kit/data/bin") and distill[4].endswith(".gpu-kit/data/bpe")
     assert "CPU=0" in out and "MAX_TOKENS=16000" in out
     bench1, batched = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
+    # whole-iteration graphs: at batch 1 only where they differ from the default, at 8 and 64 for every row
+    variants = {"benchmark": "iteration:loop-greedy,strict,relaxed=--cuda-graphs=iteration",
+                "benchmark-batched": "iteration=--cuda-graphs=iteration"}
     for bench, sizes, out_dir in ((bench1, "1", "benchmark"), (batched, "8,64", "benchmark-batched")):
         opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
         assert opt("--device") == "auto" and opt("--batch-sizes") == sizes and opt("--jobs") == "1"
         assert opt("--out").endswith(f"runs/gpu-kit.small/{out_dir}")
         assert opt("--raw-ref").endswith(".gpu-kit/data/raw/test_2016_flickr.de.gz")
-        assert opt("--variant") == "iteration=--cuda-graphs=iteration" and "--keep-going" in bench
+        assert opt("--variant") == variants[out_dir] and "--keep-going" in bench
         assert [a for a in bench if a.startswith(("paper=", "vsd="))] == [f"vsd={os.path.dirname(opt('--out'))}/vsd/checkpoint_last.pt"]
     # ct2 joins the rows wherever the ctranslate2 package imports (here, for the dry run; on the GPU machine, if carried)
     rows = lambda bench: set(bench[bench.index("--rows") + 1].split(",")) - {"ct2"}  # noqa: E731
@@ -187,7 +197,7 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
 
 
 def test_base_model_switch_and_phases(tmp_path):
-    trains = trainings(dry_run(tmp_path, KIT_MODEL="base"))
+    trains = trainings(dry_run(tmp_path, KIT_MODEL="base", BENCH_DRAFTERS="paper vsd"))
     verifier = trains["verifier"][1]
     assert (verifier.encoder_layers, verifier.decoder_layers, verifier.encoder_embed_dim) == (6, 6, 512)
     assert trains["blockwise"][1].decoder_embed_dim == 512 and trains["blockwise"][1].decoder_layers == 6
