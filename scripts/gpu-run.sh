@@ -121,7 +121,7 @@ if ls "$KIT"/wheels/*.whl > /dev/null 2>&1; then
     # Byte-compile once, on every core. Where PYTHONDONTWRITEBYTECODE is set
     # (the H100 run's log showed fairseq's compile-time warning in every
     # process), each of the run's 50-odd processes would otherwise compile
-    # fairseq anew: 3.5 s of a 6.8 s import on the CPU machine.
+    # fairseq anew (docs/gpu.md, "Device time").
     "$PYTHON" -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || log "compileall: some files of $SITE did not compile (they are compiled when imported)"
     touch "$SITE/.installed"
   fi

@@ -274,7 +274,8 @@ def main(argv=None):
     try:
         device = resolve_device(args.device)
         wanted = resolve_rows(args.rows, decodings, args.drafters, args.blockwise)
-        args.variants = parse_variants(args.variant, row_kinds(decodings))  # the kinds of LABEL:KINDS too
+        # again with the registry: the row kinds a LABEL:ROWS variant names must exist
+        args.variants = parse_variants(args.variant, row_kinds(decodings))
         if any(kind in ct2.COMPUTE_TYPES for kind in wanted):
             ct2.check_device(device)
     except ValueError as e:
