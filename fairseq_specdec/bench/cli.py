@@ -45,7 +45,7 @@ from typing import Dict, List, Optional
 
 from .commands import recorded_command
 from . import ct2, workers
-from .partial import PartialRows
+from .partial import PartialRows, against_beam1, beam1_name
 from .plots import make_plots
 from .scoring import read_lines, score
 from .specs import (BUILTIN_ROWS, OPTIONAL_ROWS, RowSpecs, parse_drafters, parse_variants, resolve_rows, row_kinds,
@@ -256,13 +256,11 @@ def compare_with_beams(rows: List[Dict]) -> None:
     by_name = {r["name"]: r for r in rows}
     for r in rows:
         bs = r["batch_size"]
-        b5, b1 = by_name[f"beam5@bs{bs}"], by_name[f"beam1@bs{bs}"]
+        b5, b1 = by_name[f"beam5@bs{bs}"], by_name[beam1_name(bs)]
         greedy = by_name.get(f"loop-greedy@bs{bs}")
         r["speedup_vs_beam5"] = b5["seconds"] / r["seconds"]
-        r["speedup_vs_beam1"] = b1["seconds"] / r["seconds"]
         r["speedup_vs_loop_greedy"] = greedy["seconds"] / r["seconds"] if greedy is not None else None
-        r["identical_to_beam1"] = all(r["tokens"][k] == b1["tokens"][k] for k in b1["tokens"])
-        r["differs_from_beam1"] = sum(r["tokens"][k] != b1["tokens"][k] for k in b1["tokens"])
+        r.update(against_beam1(r["seconds"], r["tokens"], b1))
 
 
 def main(argv=None):

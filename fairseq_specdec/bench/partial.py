@@ -8,8 +8,8 @@ JSON object a line, in the order the rows ended.
 Invariant: after every ``add``, the file holds every row ended so far (its
 figures, without the hypotheses), and each row whose batch size's ``--beam 1``
 row has ended also holds ``speedup_vs_beam1``, ``identical_to_beam1`` and
-``differs_from_beam1``, computed as ``compare_with_beams`` computes them for
-the whole table.  A row that ended before its ``--beam 1`` row gets them when
+``differs_from_beam1``, computed by :func:`against_beam1`, as for the whole
+table.  A row that ended before its ``--beam 1`` row gets them when
 that row ends (the file is rewritten whole, through a temporary file, so a
 run killed while writing leaves the previous version).
 """
@@ -25,14 +25,15 @@ def beam1_name(batch_size: int) -> str:
     return f"beam1@bs{batch_size}"
 
 
-def compared(record: Dict, tokens: Dict, beam1: Dict) -> Dict:
-    """``record`` with its ratio to and identity with ``beam1`` (a full result)."""
+def against_beam1(seconds: float, tokens: Dict, beam1: Dict) -> Dict:
+    """A row's ``speedup_vs_beam1``, ``identical_to_beam1`` and
+    ``differs_from_beam1`` against ``beam1`` (a full result of the same batch
+    size); a sentence the row lacks counts as differing.  The one definition
+    of these fields, for the whole table and for the partial file alike."""
     ref = beam1["tokens"]
-    out = dict(record)
-    out["speedup_vs_beam1"] = beam1["seconds"] / record["seconds"]
-    out["identical_to_beam1"] = all(tokens.get(k) == ref[k] for k in ref)
-    out["differs_from_beam1"] = sum(tokens.get(k) != ref[k] for k in ref)
-    return out
+    differ = sum(tokens.get(k) != ref[k] for k in ref)
+    return {"speedup_vs_beam1": beam1["seconds"] / seconds, "identical_to_beam1": differ == 0,
+            "differs_from_beam1": differ}
 
 
 class PartialRows:
@@ -56,7 +57,7 @@ class PartialRows:
         out = []
         for record, tokens in self.ended:
             beam1 = self.beam1.get(record["batch_size"])
-            out.append(compared(record, tokens, beam1) if beam1 is not None else record)
+            out.append(record if beam1 is None else dict(record, **against_beam1(record["seconds"], tokens, beam1)))
         return out
 
     def _write(self) -> None:

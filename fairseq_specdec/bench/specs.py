@@ -250,30 +250,29 @@ class RowSpecs:
         specs = []
         for bs in batch_sizes:
             for kind in wanted:
-                first = len(specs)
-                self._add_rows(specs, kind, bs, relaxed_batch_sizes, grid)
-                for spec in specs[first:]:
+                for spec in self._rows(kind, bs, relaxed_batch_sizes, grid):
                     spec["kind"] = kind  # the --rows kind it came from (--variant LABEL:KINDS)
+                    specs.append(spec)
         return specs
 
-    def _add_rows(self, specs: List[Dict], kind: str, bs: int, relaxed_batch_sizes: Sequence[int],
-                  grid: Sequence[Tuple[str, str]]) -> None:
-        """Appends the rows of one ``--rows`` kind at batch size ``bs``."""
+    def _rows(self, kind: str, bs: int, relaxed_batch_sizes: Sequence[int],
+              grid: Sequence[Tuple[str, str]]) -> List[Dict]:
+        """The rows of one ``--rows`` kind at batch size ``bs``."""
         if kind == "beam5":
-            specs.append(self.autoregressive(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5))
-        elif kind == "beam1":
-            specs.append(self.autoregressive(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1))
-        elif kind == "strict":
-            specs += [self.draft_verify(d, f"strict@bs{bs}", "draft-verify strict", bs) for d in self.drafters]
-        elif kind in ct2.COMPUTE_TYPES:
-            specs.append(self.ctranslate2(kind, bs))
-        elif kind == "relaxed":
-            if bs in relaxed_batch_sizes:
-                specs += [self.draft_verify(d, f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}",
-                                            bs, int(beta), float(tau))
-                          for d in self.drafters for beta, tau in grid]
-        else:
-            specs += self.registered(kind, bs)
+            return [self.autoregressive(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5)]
+        if kind == "beam1":
+            return [self.autoregressive(f"beam1@bs{bs}", "fairseq beam 1", bs, beam=1)]
+        if kind == "strict":
+            return [self.draft_verify(d, f"strict@bs{bs}", "draft-verify strict", bs) for d in self.drafters]
+        if kind in ct2.COMPUTE_TYPES:
+            return [self.ctranslate2(kind, bs)]
+        if kind == "relaxed":
+            if bs not in relaxed_batch_sizes:
+                return []
+            return [self.draft_verify(d, f"b{beta}t{tau}@bs{bs}", f"draft-verify beta={beta} tau={tau}",
+                                      bs, int(beta), float(tau))
+                    for d in self.drafters for beta, tau in grid]
+        return self.registered(kind, bs)
 
     def sweep_rows(self, batch_sizes: Sequence[int], ks: Sequence[int], beta_tau: Sequence[Tuple[int, float]]) -> List[Dict]:
         """Latency vs batch size (beam 1 and strict), Tok. vs k, Tok. vs beta/tau, for every drafter."""
