@@ -168,8 +168,9 @@ def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpo
         models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
         gen = task.build_generator(models, cfg.generation)
         kinds[impl] = gen.verifier.describe()
-    # the toy verifier's layers are ReLU layers: under rowgemm each runs as one fused call
-    rowgemm_pass = "lean (rowgemm products, fused C++ layers)"
+    # the toy verifier's layers are ReLU layers: under rowgemm each runs as one
+    # fused call, its encoder's too (tests/test_lean_encoder.py)
+    rowgemm_pass = "lean (rowgemm products, fused C++ layers, fused C++ encoder)"
     default = rowgemm_pass if H.gemm_available("rowgemm") else "lean (torch products)"
     want = {None: default, "lean": default, "fairseq": "fairseq",
             "gemm-torch": "lean (torch products)", "gemm-rowgemm": rowgemm_pass}

@@ -338,6 +338,95 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
               "decoder_layer: ", what, " must be a contiguous float32 CPU vector of ", n);
 }
 
+// The residual stream of one fused layer (rows x C, in place) and its
+// scratch buffers; a sublayer reads input(), writes its output into tmp and
+// calls finish(): the residual added, then the post-norm.
+struct Stream {
+  float* x;
+  int64_t rows, C;
+  bool normalize_before;
+  double eps;
+  std::vector<float> h, tmp, attn;
+
+  Stream(float* x_, int64_t rows_, int64_t C_, int64_t widest, bool normalize_before_, double eps_)
+      : x(x_), rows(rows_), C(C_), normalize_before(normalize_before_), eps(eps_),
+        h(static_cast<size_t>(rows_ * C_)), tmp(static_cast<size_t>(rows_ * widest)),
+        attn(static_cast<size_t>(rows_ * C_)) {}
+
+  const float* input(const torch::Tensor& ln_w, const torch::Tensor& ln_b) {
+    if (!normalize_before) return x;
+    std::memcpy(h.data(), x, sizeof(float) * rows * C);
+    layer_norm_rows(h.data(), rows, C, ln_w.data_ptr<float>(), ln_b.data_ptr<float>(), eps);
+    return h.data();
+  }
+
+  void finish(const torch::Tensor& ln_w, const torch::Tensor& ln_b) {
+    for (int64_t i = 0; i < rows * C; ++i) x[i] += tmp[i];
+    if (!normalize_before) layer_norm_rows(x, rows, C, ln_w.data_ptr<float>(), ln_b.data_ptr<float>(), eps);
+  }
+};
+
+// The self-attention sublayer over B groups of m rows.  With a cache (kc/vc:
+// B x H x cap x d), the m keys and values of group b are written at
+// [starts[b], starts[b] + m) and row i attends to positions 0 .. starts[b] + i;
+// without one, every row of a group attends to the group's m rows, except
+// those key_pad (B x m, true = padding; may be null) marks.
+void self_attention(Stream& s, int64_t B, int64_t m, const Packed& qkv, const Packed& out,
+                    const torch::Tensor& ln_w, const torch::Tensor& ln_b, int64_t H, double scaling, float* kc,
+                    float* vc, int64_t cap, const std::vector<int64_t>& starts, const bool* key_pad) {
+  const int64_t C = s.C, d = C / H;
+  const bool cached = kc != nullptr;
+  float* tmp = s.tmp.data();
+  linear_raw(s.input(ln_w, ln_b), s.rows, C, qkv.w, qkv.P, qkv.b, 0, tmp, 3 * C, 3 * C);
+  int64_t longest = m;
+  if (cached)
+    for (int64_t b = 0; b < B; ++b) {
+      longest = std::max(longest, starts[b] + m);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* r = tmp + (b * m + i) * 3 * C;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          const int64_t at = ((b * H + hh) * cap + starts[b] + i) * d;
+          std::memcpy(kc + at, r + C + hh * d, sizeof(float) * d);
+          std::memcpy(vc + at, r + 2 * C + hh * d, sizeof(float) * d);
+        }
+      }
+    }
+  std::vector<float> q(static_cast<size_t>(d)), scores(static_cast<size_t>(longest));
+  const float fscaling = static_cast<float>(scaling);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const float* kh = cached ? kc + (b * H + hh) * cap * d : tmp + b * m * 3 * C + C + hh * d;
+      const float* vh = cached ? vc + (b * H + hh) * cap * d : tmp + b * m * 3 * C + 2 * C + hh * d;
+      const int64_t stride = cached ? d : 3 * C;
+      const bool* pad = cached || key_pad == nullptr ? nullptr : key_pad + b * m;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* r = tmp + (b * m + i) * 3 * C + hh * d;
+        for (int64_t t = 0; t < d; ++t) q[t] = r[t] * fscaling;
+        const int64_t L = cached ? starts[b] + i + 1 : m;
+        for (int64_t j = 0; j < L; ++j) scores[j] = (pad != nullptr && pad[j]) ? ninf : dot(q.data(), kh + j * stride, d);
+        softmax_inplace(scores.data(), L);
+        weighted_values(scores.data(), vh, L, stride, d, s.attn.data() + (b * m + i) * C + hh * d);
+      }
+    }
+  linear_raw(s.attn.data(), s.rows, C, out.w, out.P, out.b, 0, tmp, C, C);
+  s.finish(ln_w, ln_b);
+}
+
+// The feed-forward sublayer, ReLU fused into the first product.
+void feed_forward(Stream& s, const Packed& fc1, const Packed& fc2, int64_t F, const torch::Tensor& ln_w,
+                  const torch::Tensor& ln_b) {
+  std::vector<float> hidden(static_cast<size_t>(s.rows * F));
+  linear_raw(s.input(ln_w, ln_b), s.rows, s.C, fc1.w, fc1.P, fc1.b, 1, hidden.data(), F, F);
+  linear_raw(hidden.data(), s.rows, F, fc2.w, fc2.P, fc2.b, 0, s.tmp.data(), s.C, s.C);
+  s.finish(ln_w, ln_b);
+}
+
+int64_t checked_heads(int64_t heads, int64_t C, const char* what) {
+  TORCH_CHECK(heads > 0 && (C / heads) * heads == C, what, ": ", heads, " heads do not divide the model dimension ", C);
+  return heads;
+}
+
 }  // namespace
 
 // One Transformer decoder layer (ReLU FFN) over the m new tokens of every
@@ -365,8 +454,7 @@ torch::Tensor decoder_layer(
               "decoder_layer: x must be a B x m x C float32 CPU tensor");
   const int64_t B = x_in.size(0), m = x_in.size(1), C = x_in.size(2);
   const bool cached = keys_opt.has_value() && keys_opt->defined();
-  const int64_t H = heads, d = C / std::max<int64_t>(heads, 1);
-  TORCH_CHECK(heads > 0 && H * d == C, "decoder_layer: ", heads, " heads do not divide the model dimension ", C);
+  const int64_t H = checked_heads(heads, C, "decoder_layer"), d = C / H;
   int64_t cap = 0;
   float* kc = nullptr;
   float* vc = nullptr;
@@ -412,88 +500,72 @@ torch::Tensor decoder_layer(
   check_vector(ca_ln_w, C, "ca_ln_w"); check_vector(ca_ln_b, C, "ca_ln_b");
   check_vector(final_ln_w, C, "final_ln_w"); check_vector(final_ln_b, C, "final_ln_b");
 
-  const int64_t rows = B * m;
   auto out = x_in.contiguous().clone();  // the residual stream, B*m x C
-  float* x = out.data_ptr<float>();
-  std::vector<float> h(static_cast<size_t>(rows * C)), tmp(static_cast<size_t>(rows * std::max<int64_t>(3 * C, F)));
-  std::vector<float> attn(static_cast<size_t>(rows * C)), q(static_cast<size_t>(std::max(d, dc)));
-  int64_t longest = S;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, starts[b] + m);
-  std::vector<float> scores(static_cast<size_t>(longest));
-  const float* ck = cross_keys.data_ptr<float>();
-  const float* cv = cross_values.data_ptr<float>();
-
-  auto sublayer_input = [&](const float* w, const float* b) -> const float* {
-    if (!normalize_before) return x;
-    std::memcpy(h.data(), x, sizeof(float) * rows * C);
-    layer_norm_rows(h.data(), rows, C, w, b, eps);
-    return h.data();
-  };
-  auto finish = [&](const float* w, const float* b) {  // x += tmp (the sublayer output); post-norm
-    for (int64_t i = 0; i < rows * C; ++i) x[i] += tmp[i];
-    if (!normalize_before) layer_norm_rows(x, rows, C, w, b, eps);
-  };
-
-  // self-attention
-  const float* in = sublayer_input(sa_ln_w.data_ptr<float>(), sa_ln_b.data_ptr<float>());
-  linear_raw(in, rows, C, qkv.w, qkv.P, qkv.b, 0, tmp.data(), 3 * C, 3 * C);
-  if (cached)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < m; ++i) {
-        const float* r = tmp.data() + (b * m + i) * 3 * C;
-        for (int64_t hh = 0; hh < H; ++hh) {
-          const int64_t at = ((b * H + hh) * cap + starts[b] + i) * d;
-          std::memcpy(kc + at, r + C + hh * d, sizeof(float) * d);
-          std::memcpy(vc + at, r + 2 * C + hh * d, sizeof(float) * d);
-        }
-      }
-  const float fscaling = static_cast<float>(scaling);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t hh = 0; hh < H; ++hh) {
-      // cached: causal over the cache; otherwise bidirectional over the pass's own m rows
-      const float* kh = cached ? kc + (b * H + hh) * cap * d : tmp.data() + b * m * 3 * C + C + hh * d;
-      const float* vh = cached ? vc + (b * H + hh) * cap * d : tmp.data() + b * m * 3 * C + 2 * C + hh * d;
-      const int64_t stride = cached ? d : 3 * C;
-      for (int64_t i = 0; i < m; ++i) {
-        const float* r = tmp.data() + (b * m + i) * 3 * C + hh * d;
-        for (int64_t t = 0; t < d; ++t) q[t] = r[t] * fscaling;
-        const int64_t L = cached ? starts[b] + i + 1 : m;
-        for (int64_t j = 0; j < L; ++j) scores[j] = dot(q.data(), kh + j * stride, d);
-        softmax_inplace(scores.data(), L);
-        weighted_values(scores.data(), vh, L, stride, d, attn.data() + (b * m + i) * C + hh * d);
-      }
-    }
-  linear_raw(attn.data(), rows, C, sa_out.w, sa_out.P, sa_out.b, 0, tmp.data(), C, C);
-  finish(sa_ln_w.data_ptr<float>(), sa_ln_b.data_ptr<float>());
+  Stream s(out.data_ptr<float>(), B * m, C, std::max<int64_t>(3 * C, F), normalize_before, eps);
+  self_attention(s, B, m, qkv, sa_out, sa_ln_w, sa_ln_b, H, scaling, kc, vc, cap, starts, nullptr);
 
   // encoder attention
-  in = sublayer_input(ca_ln_w.data_ptr<float>(), ca_ln_b.data_ptr<float>());
-  linear_raw(in, rows, C, ca_q.w, ca_q.P, ca_q.b, 0, tmp.data(), C, C);
+  const float* in = s.input(ca_ln_w, ca_ln_b);
+  linear_raw(in, s.rows, C, ca_q.w, ca_q.P, ca_q.b, 0, s.tmp.data(), C, C);
+  std::vector<float> q(static_cast<size_t>(dc)), scores(static_cast<size_t>(S));
   const float fc_scaling = static_cast<float>(c_scaling);
   const float ninf = -std::numeric_limits<float>::infinity();
+  const float* ck = cross_keys.data_ptr<float>();
+  const float* cv = cross_values.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hh = 0; hh < c_heads; ++hh) {
       const float* kh = ck + (b * c_heads + hh) * S * dc;
       const float* vh = cv + (b * c_heads + hh) * S * dc;
       for (int64_t i = 0; i < m; ++i) {
-        const float* r = tmp.data() + (b * m + i) * C + hh * dc;
+        const float* r = s.tmp.data() + (b * m + i) * C + hh * dc;
         for (int64_t t = 0; t < dc; ++t) q[t] = r[t] * fc_scaling;
         for (int64_t j = 0; j < S; ++j)
           scores[j] = (pad != nullptr && pad[b * S + j]) ? ninf : dot(q.data(), kh + j * dc, dc);
         softmax_inplace(scores.data(), S);
-        weighted_values(scores.data(), vh, S, dc, dc, attn.data() + (b * m + i) * C + hh * dc);
+        weighted_values(scores.data(), vh, S, dc, dc, s.attn.data() + (b * m + i) * C + hh * dc);
       }
     }
-  linear_raw(attn.data(), rows, C, ca_out.w, ca_out.P, ca_out.b, 0, tmp.data(), C, C);
-  finish(ca_ln_w.data_ptr<float>(), ca_ln_b.data_ptr<float>());
+  linear_raw(s.attn.data(), s.rows, C, ca_out.w, ca_out.P, ca_out.b, 0, s.tmp.data(), C, C);
+  s.finish(ca_ln_w, ca_ln_b);
 
-  // feed-forward, ReLU fused into the first product
-  in = sublayer_input(final_ln_w.data_ptr<float>(), final_ln_b.data_ptr<float>());
-  std::vector<float> hidden(static_cast<size_t>(rows * F));
-  linear_raw(in, rows, C, fc1.w, fc1.P, fc1.b, 1, hidden.data(), F, F);
-  linear_raw(hidden.data(), rows, F, fc2.w, fc2.P, fc2.b, 0, tmp.data(), C, C);
-  finish(final_ln_w.data_ptr<float>(), final_ln_b.data_ptr<float>());
+  feed_forward(s, fc1, fc2, F, final_ln_w, final_ln_b);
   return out.view({B, m, C});
+}
+
+// One Transformer encoder layer (ReLU FFN), in place of a fairseq
+// TransformerEncoderLayer's operations: self-attention of each of the B
+// sentences' S rows (x: B x S x C) over its own rows, except those key_pad
+// (B x S, true = padding; may be undefined) marks, then the feed-forward.
+// Post-norm unless normalize_before.  Returns B x S x C.
+torch::Tensor encoder_layer(
+    const torch::Tensor& x_in, const c10::optional<torch::Tensor>& key_pad,
+    const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& sa_out_w, const torch::Tensor& sa_out_b,
+    const torch::Tensor& sa_ln_w, const torch::Tensor& sa_ln_b, int64_t heads, double scaling,
+    const torch::Tensor& fc1_w, const torch::Tensor& fc1_b, const torch::Tensor& fc2_w, const torch::Tensor& fc2_b,
+    const torch::Tensor& final_ln_w, const torch::Tensor& final_ln_b, bool normalize_before, double eps) {
+  TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(),
+              "encoder_layer: x must be a B x S x C float32 CPU tensor");
+  const int64_t B = x_in.size(0), S = x_in.size(1), C = x_in.size(2);
+  const int64_t H = checked_heads(heads, C, "encoder_layer");
+  const bool* pad = nullptr;
+  if (key_pad.has_value() && key_pad->defined()) {
+    TORCH_CHECK(key_pad->dim() == 2 && key_pad->size(0) == B && key_pad->size(1) == S && key_pad->is_contiguous() &&
+                    key_pad->scalar_type() == torch::kBool,
+                "encoder_layer: key_pad must be a contiguous bool B x S tensor");
+    pad = key_pad->data_ptr<bool>();
+  }
+  const Packed qkv = packed_of(qkv_w, qkv_b, 3 * C, C), sa_out = packed_of(sa_out_w, sa_out_b, C, C);
+  const int64_t F = fc2_w.size(1);
+  const Packed fc1 = packed_of(fc1_w, fc1_b, F, C), fc2 = packed_of(fc2_w, fc2_b, C, F);
+  check_vector(sa_ln_w, C, "sa_ln_w"); check_vector(sa_ln_b, C, "sa_ln_b");
+  check_vector(final_ln_w, C, "final_ln_w"); check_vector(final_ln_b, C, "final_ln_b");
+
+  auto out = x_in.contiguous().clone();
+  Stream s(out.data_ptr<float>(), B * S, C, std::max<int64_t>(3 * C, F), normalize_before, eps);
+  self_attention(s, B, S, qkv, sa_out, sa_ln_w, sa_ln_b, H, scaling, nullptr, nullptr, 0, {}, pad);
+  feed_forward(s, fc1, fc2, F, final_ln_w, final_ln_b);
+  return out.view({B, S, C});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -505,4 +577,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("bias") = c10::nullopt, pybind11::arg("activation") = 0);
   m.def("decoder_layer", &decoder_layer,
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
+  m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
 }

@@ -31,6 +31,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from ..utils import rowgemm
 from ..utils.projection import WeightsWatch, transposed_linear
 from ..utils.encoder_out import encoder_states
+from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
 
 #: ``--verify-gemm`` choices: how the lean pass computes its matrix products
@@ -214,6 +215,12 @@ class LeanVerifier(VerifyPass):
         #: run the fused C++ layers where they apply (tests switch it off to
         #: compare with the layers' operations)
         self.use_fused = True
+        #: the encoder as fused C++ layers, where the products are rowgemm's
+        #: and the encoder is fairseq's Transformer encoder (else fairseq's modules)
+        self.lean_encoder: Optional[LeanEncoder] = None
+        encoder = getattr(model, "encoder", None)
+        if self.gemm == "rowgemm" and lean_encoder_unsupported_reason(encoder) is None:
+            self.lean_encoder = LeanEncoder(encoder)
 
     def _laid_out_weights(self) -> list:
         """The weights the lean pass lays out (an optimizer's update through
@@ -246,8 +253,19 @@ class LeanVerifier(VerifyPass):
         return self.gemm == "rowgemm" and all(fusable_layer(layer) for layer in self.decoder.layers)
 
     def describe(self) -> str:
-        fused = ", fused C++ layers" if self.fused else ""
-        return f"{self.impl} ({self.gemm} products{fused})"
+        parts = [f"{self.gemm} products"]
+        if self.fused:
+            parts.append("fused C++ layers")
+        if self.lean_encoder is not None:
+            parts.append("fused C++ encoder")
+        return f"{self.impl} ({', '.join(parts)})"
+
+    def encode(self, net_input):
+        """The encoder output: through :class:`~fairseq_specdec.generation.lean_encoder.LeanEncoder`
+        where it runs (and ``use_fused``), else fairseq's encoder."""
+        if self.lean_encoder is not None and self.use_fused and not self.model.encoder.training:
+            return self.lean_encoder(net_input)
+        return super().encode(net_input)
 
     def _logits(self, x: Tensor) -> Tensor:
         if self.output is None:

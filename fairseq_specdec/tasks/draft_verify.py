@@ -152,8 +152,9 @@ class DraftVerifyConfig(TranslationConfig):
             "help": "speculative decodings with the lean verify pass: how it computes. 'rowgemm': "
             "the plugin's C++ extension (float32 CPU weights, AVX2): matrix products that read each "
             "weight once for all the rows of a pass (a pass of 4 tokens costs little more than one of "
-            "1), in an order that does not depend on the rows, and each ReLU decoder layer (attention "
-            "over the KV cache, residuals, layer norms) as one call; drafters use it too. 'torch': "
+            "1), in an order that does not depend on the rows, each ReLU decoder layer (attention "
+            "over the KV cache, residuals, layer norms) as one call, and each ReLU layer of a fairseq "
+            "Transformer encoder as one call; drafters use it too. 'torch': "
             "torch's operations and BLAS products; 'auto' (default): rowgemm where it runs, else torch. "
             "The two round differently: see docs/verify-kernels.md for what that changed in measured output"
         },

@@ -158,3 +158,46 @@ def fused_layer(x: Tensor, linears, norms, eps: float, heads: int, scaling: floa
 
 
 _NO_STARTS = torch.zeros(0, dtype=torch.long)
+
+
+def fused_encoder_layer_available() -> bool:
+    """Whether the extension has the fused encoder layer (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "encoder_layer")
+
+
+class FusedEncoderLayer:
+    """One fairseq Transformer encoder layer (ReLU feed-forward) in one call
+    of the extension (``encoder_layer`` in ``csrc/rowgemm.cpp``): the
+    self-attention's query, key and value products as one packed weight, its
+    output product, the two feed-forward products (ReLU fused), residuals and
+    layer norms, attention over each sentence's own rows with its padding
+    masked.  The same function as the layer's operations, rounded as
+    :class:`FusedDecoderLayer` is; the weights are packed at construction
+    (a snapshot: its owner rebuilds it when they change)."""
+
+    def __init__(self, layer):
+        sa = layer.self_attn
+        qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
+        biases = [lin.bias for lin in qkv]
+        bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
+        linears = (
+            PackedLinear(torch.cat([lin.weight.detach() for lin in qkv]), bias),
+            PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
+            PackedLinear(layer.fc1.weight, layer.fc1.bias, "relu"),
+            PackedLinear(layer.fc2.weight, layer.fc2.bias),
+        )
+        self.weights = [(p.packed, packed_bias(p)) for p in linears]
+        self.norms = [(n.weight.detach().float().contiguous(), n.bias.detach().float().contiguous())
+                      for n in (layer.self_attn_layer_norm, layer.final_layer_norm)]
+        self.eps = float(layer.self_attn_layer_norm.eps)
+        self.heads, self.scaling = int(sa.num_heads), float(sa.scaling)
+        self.normalize_before = bool(layer.normalize_before)
+
+    def __call__(self, x: Tensor, padding: Optional[Tensor]) -> Tensor:
+        """``x``: B x S x C float32; ``padding``: B x S bool, True at padding
+        (None: none).  Returns B x S x C."""
+        (qkv_w, qkv_b), (out_w, out_b), (fc1_w, fc1_b), (fc2_w, fc2_b) = self.weights
+        (sl_w, sl_b), (fl_w, fl_b) = self.norms
+        pad = padding.contiguous() if padding is not None else None
+        return _ext.encoder_layer(x.contiguous(), pad, qkv_w, qkv_b, out_w, out_b, sl_w, sl_b, self.heads,
+                                  self.scaling, fc1_w, fc1_b, fc2_w, fc2_b, fl_w, fl_b, self.normalize_before, self.eps)
