@@ -8,8 +8,9 @@ lean verify pass runs under ``--verify-gemm rowgemm``.
   sentence encoded alone;
 * weights changed after the first call are packed again;
 * an encoder it cannot compute (GELU, a subclass overriding the forward) is
-  named and left to fairseq's modules; under ``--verify-gemm torch`` the lean
-  pass keeps fairseq's encoder.
+  named and left to fairseq's modules; under ``--verify-gemm torch`` and
+  ``--encoder-impl fairseq`` the lean pass keeps fairseq's encoder, and
+  ``--encoder-impl lean`` where it cannot run is refused with the reason.
 
 End to end, strict decoding with it stays identical to ``--beam 1``: the
 exactness tests of tests/test_lean_verifier.py and tests/test_generator.py
@@ -163,4 +164,24 @@ def test_the_lean_pass_runs_it_under_rowgemm_only(toy_bin):
             torch_pass.encode(net_input)
             rowgemm_pass.use_fused = False  # what the tests comparing with the layers' operations switch off
             rowgemm_pass.encode(net_input)
+            assert LeanVerifier(model, gemm="rowgemm", encoder="fairseq").lean_encoder is None
     assert len(calls) == len(model.encoder.layers)
+
+
+@needs_kernel
+def test_encoder_impl_lean_is_refused_where_it_cannot_run(toy_bin):
+    from fairseq_specdec.generation.verify_passes import build_verifier
+
+    model, _ = untrained_transformer(toy_bin)
+    assert build_verifier(model, encoder="lean").lean_encoder is not None
+    with pytest.raises(ValueError, match=r"--encoder-impl lean cannot run: .*--verify-gemm torch"):
+        build_verifier(model, gemm="torch", encoder="lean")
+    with pytest.raises(ValueError, match="--encoder-impl lean runs in the lean verify pass .*drop --verify-impl fairseq"):
+        build_verifier(model, impl="fairseq", encoder="lean")
+    with pytest.raises(ValueError, match="--encoder-impl lean runs in the lean verify pass .*drop --cuda-graphs static"):
+        build_verifier(model, graphs="static", encoder="lean")
+    with pytest.raises(ValueError, match="--encoder-impl must be one of auto, lean, fairseq"):
+        build_verifier(model, encoder="fast")
+    gelu, _ = untrained_transformer(toy_bin, "--activation-fn", "gelu")
+    with pytest.raises(ValueError, match="--encoder-impl lean cannot run: .*not ReLU"):
+        build_verifier(gelu, encoder="lean")

@@ -152,13 +152,15 @@ def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpo
     from fairseq import checkpoint_utils
 
     kinds = {}
-    for impl in (None, "lean", "fairseq", "gemm-torch", "gemm-rowgemm"):
+    for impl in (None, "lean", "fairseq", "gemm-torch", "gemm-rowgemm", "encoder-fairseq"):
         argv = ["--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "draft-verify",
                 "--drafter-path", random_drafter_checkpoint, "--beam", "1"]
         if impl is not None and impl.startswith("gemm-"):
             if not H.gemm_available(impl[5:]):
                 continue
             argv += ["--verify-gemm", impl[5:]]
+        elif impl == "encoder-fairseq":
+            argv += ["--encoder-impl", "fairseq"]
         elif impl is not None:
             argv += ["--verify-impl", impl]
         cfg = H.generation_cfg(toy_bin, *argv)
@@ -173,5 +175,6 @@ def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpo
     rowgemm_pass = "lean (rowgemm products, fused C++ layers, fused C++ encoder)"
     default = rowgemm_pass if H.gemm_available("rowgemm") else "lean (torch products)"
     want = {None: default, "lean": default, "fairseq": "fairseq",
-            "gemm-torch": "lean (torch products)", "gemm-rowgemm": rowgemm_pass}
+            "gemm-torch": "lean (torch products)", "gemm-rowgemm": rowgemm_pass,
+            "encoder-fairseq": default.replace(", fused C++ encoder", "")}
     assert kinds == {k: v for k, v in want.items() if k in kinds}

@@ -279,6 +279,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         ),
         verify_impl=str(getattr(cfg, "verify_impl", "auto")),
         verify_gemm=str(getattr(cfg, "verify_gemm", "auto")),
+        encoder_impl=str(getattr(cfg, "encoder_impl", "auto")),
         cuda_graphs=str(getattr(cfg, "cuda_graphs", "auto")),
     )
     logger.info(

@@ -37,6 +37,9 @@ from .verify_pass import VerifyPass
 #: ``--verify-gemm`` choices: how the lean pass computes its matrix products
 VERIFY_GEMMS = ("auto", "rowgemm", "torch")
 
+#: ``--encoder-impl`` choices: how the lean pass runs the verifier's encoder
+ENCODER_IMPLS = ("auto", "lean", "fairseq")
+
 
 def lean_unsupported_reason(decoder) -> Optional[str]:
     """Why the lean pass cannot compute this decoder's function (None: it can)."""
@@ -197,7 +200,7 @@ class LeanVerifier(VerifyPass):
 
     impl = "lean"
 
-    def __init__(self, model, temperature: float = 1.0, gemm: str = "auto"):
+    def __init__(self, model, temperature: float = 1.0, gemm: str = "auto", encoder: str = "auto"):
         super().__init__(model, temperature)
         reason = lean_unsupported_reason(self.decoder)
         if reason is not None:
@@ -215,12 +218,18 @@ class LeanVerifier(VerifyPass):
         #: run the fused C++ layers where they apply (tests switch it off to
         #: compare with the layers' operations)
         self.use_fused = True
-        #: the encoder as fused C++ layers, where the products are rowgemm's
-        #: and the encoder is fairseq's Transformer encoder (else fairseq's modules)
+        #: the encoder as fused C++ layers (``--encoder-impl``), else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
-        encoder = getattr(model, "encoder", None)
-        if self.gemm == "rowgemm" and lean_encoder_unsupported_reason(encoder) is None:
-            self.lean_encoder = LeanEncoder(encoder)
+        if encoder not in ENCODER_IMPLS:
+            raise ValueError(f"--encoder-impl must be one of {', '.join(ENCODER_IMPLS)}, got {encoder!r}")
+        if encoder != "fairseq":
+            reason = lean_encoder_unsupported_reason(getattr(model, "encoder", None))
+            if reason is None and self.gemm != "rowgemm":
+                reason = "the verify pass computes with torch's products (--verify-gemm torch)"
+            if reason is None:
+                self.lean_encoder = LeanEncoder(model.encoder)
+            elif encoder == "lean":
+                raise ValueError(f"--encoder-impl lean cannot run: {reason}; use --encoder-impl auto or fairseq")
 
     def _laid_out_weights(self) -> list:
         """The weights the lean pass lays out (an optimizer's update through

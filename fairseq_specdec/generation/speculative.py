@@ -159,13 +159,14 @@ class SpeculativeGenerator:
         verify_impl: str = "auto",
         verify_gemm: str = "auto",
         cuda_graphs: str = "auto",
+        encoder_impl: str = "auto",
     ):
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
         self.policy = draft_policy or DraftLengthPolicy(block_size)
         if self.policy.k != block_size:
             raise ValueError(f"the draft policy's k ({self.policy.k}) is not --block-size {block_size}")
-        self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm, cuda_graphs)
+        self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm, cuda_graphs, encoder_impl)
         self.drafter = drafter
         #: whole iterations of batches of one sentence on fixed buffers (--cuda-graphs static
         #: runs them eagerly, iteration captures them), where the drafter can work on such buffers

@@ -1,5 +1,5 @@
-"""Which verify pass runs: ``--verify-impl``, ``--verify-gemm`` and ``--cuda-graphs``."""
-from .lean_verifier import VERIFY_GEMMS, LeanVerifier, lean_unsupported_reason
+"""Which verify pass runs: ``--verify-impl``, ``--verify-gemm``, ``--encoder-impl`` and ``--cuda-graphs``."""
+from .lean_verifier import ENCODER_IMPLS, VERIFY_GEMMS, LeanVerifier, lean_unsupported_reason
 from .static_verifier import CUDA_GRAPHS, StaticVerifier
 from .verifier import CachedVerifier
 from .verify_pass import VerifyPass
@@ -18,7 +18,7 @@ def check_graphs(graphs: str) -> None:
 
 
 def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: str = "auto",
-                   graphs: str = "auto") -> VerifyPass:
+                   graphs: str = "auto", encoder: str = "auto") -> VerifyPass:
     """The verify pass: ``lean`` (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`,
     its products computed as ``gemm`` says: ``--verify-gemm``), ``fairseq``
     (:class:`~fairseq_specdec.generation.verifier.CachedVerifier`, fairseq's own layer modules), or ``auto``: lean
@@ -28,13 +28,21 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
     replayed as CUDA graphs with ``on`` and ``iteration`` (which the loop
     extends to whole iterations of batches of one sentence); ``auto``: graphs for batches of
     :data:`AUTO_GRAPH_ROWS` sentence where the lean pass runs a CUDA
-    verifier, the lean pass as it is otherwise."""
+    verifier, the lean pass as it is otherwise.  ``encoder``
+    (``--encoder-impl``): the lean pass's encoder, fused C++ layers
+    (:class:`~fairseq_specdec.generation.lean_encoder.LeanEncoder`, ``lean``)
+    or fairseq's modules; ``auto``: lean where it runs."""
     if impl not in VERIFY_IMPLS:
         raise ValueError(f"--verify-impl must be one of {', '.join(VERIFY_IMPLS)}, got {impl!r}")
     if gemm not in VERIFY_GEMMS:
         raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
     check_graphs(graphs)
+    if encoder not in ENCODER_IMPLS:
+        raise ValueError(f"--encoder-impl must be one of {', '.join(ENCODER_IMPLS)}, got {encoder!r}")
     static = graphs in ("on", "static", "iteration")
+    if encoder == "lean" and (impl == "fairseq" or static):
+        raise ValueError("--encoder-impl lean runs in the lean verify pass with rowgemm products; drop "
+                         + ("--verify-impl fairseq" if impl == "fairseq" else f"--cuda-graphs {graphs}"))
     if impl == "fairseq":
         if gemm == "rowgemm":
             raise ValueError("--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq")
@@ -43,6 +51,8 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
         return CachedVerifier(model, temperature)
     reason = lean_unsupported_reason(getattr(model, "decoder", None)) if impl == "auto" else None
     if reason is not None:
+        if encoder == "lean":
+            raise ValueError(f"--encoder-impl lean needs the lean verify pass, which cannot run this verifier: {reason}")
         if gemm == "rowgemm":
             raise ValueError(f"--verify-gemm rowgemm needs the lean verify pass, which cannot run this verifier: {reason}")
         if static:
@@ -52,6 +62,6 @@ def build_verifier(model, temperature: float = 1.0, impl: str = "auto", gemm: st
         if gemm == "rowgemm":
             raise ValueError(f"--cuda-graphs {graphs} computes with torch's products; drop --verify-gemm rowgemm")
         return StaticVerifier(model, temperature, graphs=graphs in ("on", "iteration"), option=graphs)
-    if graphs == "auto" and next(model.parameters()).device.type == "cuda" and gemm != "rowgemm":
+    if graphs == "auto" and next(model.parameters()).device.type == "cuda" and gemm != "rowgemm" and encoder != "lean":
         return StaticVerifier(model, temperature, graphs=True, max_rows=AUTO_GRAPH_ROWS)
-    return LeanVerifier(model, temperature, gemm)
+    return LeanVerifier(model, temperature, gemm, encoder)

@@ -23,7 +23,7 @@ from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
-from ..generation.verify_passes import CUDA_GRAPHS, VERIFY_GEMMS, VERIFY_IMPLS
+from ..generation.verify_passes import CUDA_GRAPHS, ENCODER_IMPLS, VERIFY_GEMMS, VERIFY_IMPLS
 from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel, VerifierStateDrafterModel
 from ..models.specdec_vsd import make_state_block_inputs
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
 VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
+ENCODER_IMPL_CHOICES = ChoiceEnum(list(ENCODER_IMPLS))
 CUDA_GRAPHS_CHOICES = ChoiceEnum(list(CUDA_GRAPHS))
 
 #: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
@@ -157,6 +158,16 @@ class DraftVerifyConfig(TranslationConfig):
             "Transformer encoder as one call; drafters use it too. 'torch': "
             "torch's operations and BLAS products; 'auto' (default): rowgemm where it runs, else torch. "
             "The two round differently: see docs/verify-kernels.md for what that changed in measured output"
+        },
+    )
+    encoder_impl: ENCODER_IMPL_CHOICES = field(
+        default="auto",
+        metadata={
+            "help": "speculative decodings with the lean verify pass: how the verifier's encoder runs. "
+            "'lean': each layer of a fairseq Transformer encoder with ReLU feed-forward as one call of the "
+            "plugin's C++ extension (needs rowgemm products: float32 CPU weights, AVX2); 'fairseq': "
+            "fairseq's encoder modules; 'auto' (default): lean where it runs, else fairseq. The two "
+            "round differently, as --verify-gemm's products do"
         },
     )
     cuda_graphs: CUDA_GRAPHS_CHOICES = field(
@@ -315,6 +326,7 @@ class DraftVerifyTask(TranslationTask):
         ("block_size", None),
         ("verify_impl", "auto"),
         ("verify_gemm", "auto"),
+        ("encoder_impl", "auto"),
         ("cuda_graphs", "auto"),
         ("specdec_stats", None),
         ("ngram_split", "train"),
