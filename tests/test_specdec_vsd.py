@@ -10,6 +10,7 @@ import torch
 
 import specdec_helpers as H
 from fairseq_specdec.generation.drafters import VerifierStateDrafter, drafter_for_model
+from fairseq_specdec.utils import rowgemm
 
 VSD_ARGS = H.VSD_ARGS
 
@@ -193,3 +194,29 @@ def test_decoding_gathers_the_slots_position_rows_and_soft_copy_from_a_table():
             torch.testing.assert_close(reordered["copy_base"][2], table["copy_base"][0])
             model.copy_query.weight.data.view(-1)[0] += 5.0  # element 0 is among the watched samples
             model.positions.weight.data.mul_(-1.0)
+
+
+@pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
+def test_decoding_builds_its_input_rows_in_one_call_of_the_extension(monkeypatch):
+    """On a CPU where the kernel runs, a decoding pass builds its context and
+    slot rows in one call (rowgemm.block_input): the block states equal those
+    of the tensor operations within float rounding, at positions past the
+    table's last row too (they take its last row), in a padded batch."""
+    model, encoder_out = _random_vsd_model()
+    ctx_states, ctx_tokens = torch.randn(2, 32), torch.tensor([5, 9])
+    calls = []
+    fused_call = rowgemm.block_input
+    monkeypatch.setattr(rowgemm, "block_input", lambda *a: calls.append(1) or fused_call(*a))
+    with torch.no_grad():
+        table = model.source_memory(encoder_out, positions=30)
+        for k, cuts in ((4, torch.tensor([0, 3])), (3, torch.tensor([28, 11])), (1, torch.tensor([40, 0]))):
+            got = model.block_states(table, ctx_states, ctx_tokens, cuts, None, k)
+            with monkeypatch.context() as m:
+                m.setattr(rowgemm, "block_input_available", lambda: False)
+                expected = model.block_states(table, ctx_states, ctx_tokens, cuts, None, k)
+            assert got.shape == (2, k, 32)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3
+    with torch.enable_grad():  # training keeps the operations (gradients)
+        model.block_states(table, ctx_states, ctx_tokens, torch.tensor([0, 3]), None, 2)
+    assert len(calls) == 3

@@ -568,6 +568,60 @@ torch::Tensor encoder_layer(
   return out.view({B, S, C});
 }
 
+// The input rows of a specdec_vsd drafting pass (decoding), in place of a
+// dozen tensor operations: for each of the N rows, the context row
+//     ctx = fuse([states[n]; scale * embed[tokens[n]]])   (a packed 2C -> C product)
+// then its k slot rows base[n][min(cuts[n] + j, P - 1)] + offsets[j] + ctx,
+// added in that order.  states: N x C; tokens, cuts: N (int64); embed: V x C;
+// base: N x P x C; offsets: >= k x C.  Returns N x (1 + k) x C.
+torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& tokens, const torch::Tensor& embed,
+                          double scale, const torch::Tensor& fuse_w, const torch::Tensor& fuse_b,
+                          const torch::Tensor& base, const torch::Tensor& cuts, const torch::Tensor& offsets, int64_t k) {
+  TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
+  auto is_f32 = [](const torch::Tensor& t, int64_t dims) {
+    return t.dim() == dims && t.scalar_type() == torch::kFloat && t.device().is_cpu() && t.is_contiguous();
+  };
+  auto is_i64 = [](const torch::Tensor& t, int64_t n) {
+    return t.dim() == 1 && t.size(0) == n && t.scalar_type() == torch::kLong && t.is_contiguous();
+  };
+  TORCH_CHECK(is_f32(states, 2) && is_f32(embed, 2) && is_f32(base, 3) && is_f32(offsets, 2),
+              "block_input: states, embed, base and offsets must be contiguous float32 CPU tensors");
+  const int64_t N = states.size(0), C = states.size(1), V = embed.size(0), P = base.size(1);
+  TORCH_CHECK(embed.size(1) == C && base.size(0) == N && base.size(2) == C && P > 0 && offsets.size(1) == C &&
+                  k >= 0 && offsets.size(0) >= k,
+              "block_input: shapes do not agree (states N x C, embed V x C, base N x P x C, offsets >= k x C)");
+  TORCH_CHECK(is_i64(tokens, N) && is_i64(cuts, N), "block_input: tokens and cuts must be contiguous int64 vectors of N");
+  const Packed fuse = packed_of(fuse_w, fuse_b, C, 2 * C);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* cut = cuts.data_ptr<int64_t>();
+  std::vector<float> in(static_cast<size_t>(N * 2 * C)), ctx(static_cast<size_t>(N * C));
+  const float* st = states.data_ptr<float>();
+  const float* em = embed.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(tok[n] >= 0 && tok[n] < V, "block_input: token ", tok[n], " is outside the embedding of ", V);
+    std::memcpy(in.data() + n * 2 * C, st + n * C, sizeof(float) * C);
+    for (int64_t c = 0; c < C; ++c) in[n * 2 * C + C + c] = fscale * em[tok[n] * C + c];
+  }
+  linear_raw(in.data(), N, 2 * C, fuse.w, fuse.P, fuse.b, 0, ctx.data(), C, C);
+  auto out = torch::empty({N, 1 + k, C}, states.options());
+  float* o = out.data_ptr<float>();
+  const float* bs = base.data_ptr<float>();
+  const float* off = offsets.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* cn = ctx.data() + n * C;
+    float* row = o + n * (1 + k) * C;
+    std::memcpy(row, cn, sizeof(float) * C);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t at = std::min<int64_t>(std::max<int64_t>(cut[n] + j, 0), P - 1);
+      const float* b = bs + (n * P + at) * C;
+      float* r = row + (1 + j) * C;
+      for (int64_t c = 0; c < C; ++c) r[c] = (b[c] + off[j * C + c]) + cn[c];
+    }
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -578,4 +632,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &decoder_layer,
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
+  m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
 }

@@ -300,9 +300,17 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         start state); ``ctx_tokens`` (N): that token; ``cuts`` (N): accepted
         tokens so far; ``slot_tokens`` (N x k): the mask index, or a revealed
         gold token (glancing); None: every slot is masked (decoding)."""
+        base = memory.get("copy_base") if slot_tokens is None else None
+        if base is not None and self._fused_input(ctx_states):
+            # decoding on the CPU: the context and slot rows in one call of the
+            # extension (the same sums as below, the fuse product rowgemm's)
+            x = rowgemm.block_input(ctx_states, ctx_tokens, self.embed_weight, float(self.embed_scale),
+                                    packed_linear(self.fuse), base, cuts, self.offsets.weight, k)
+            for layer, layer_memory in zip(self.layers, memory["layers"]):
+                x = layer(x, layer_memory, memory["mask"])
+            return self.final_ln(x[:, 1:])
         ctx = cached_linear(self.fuse, torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1))
         index = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)  # N x k target positions
-        base = memory.get("copy_base") if slot_tokens is None else None
         if base is not None:  # decoding: position row + soft copy, gathered
             index = index.clamp_(max=base.size(1) - 1).unsqueeze(-1).expand(-1, -1, base.size(-1))
             slots = base.gather(1, index) + self.offsets.weight[:k]
@@ -319,6 +327,18 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         for layer, layer_memory in zip(self.layers, memory["layers"]):
             x = layer(x, layer_memory, memory["mask"])
         return self.final_ln(x[:, 1:])
+
+    def _fused_input(self, ctx_states: Tensor) -> bool:
+        """Whether a decoding pass builds its input rows in one call of the
+        extension (:func:`fairseq_specdec.utils.rowgemm.block_input`):
+        inference in float32 on a CPU where the kernel runs."""
+        return (
+            not self.training
+            and not torch.is_grad_enabled()
+            and ctx_states.dtype == torch.float32
+            and rowgemm.block_input_available()
+            and rowgemm.applies_to(self.fuse.weight)
+        )
 
     # ------------------------------------------------------------ training
     def forward(self, src_tokens, src_lengths, prev_output_tokens, block_mask=None, glance=None, state_blocks=None, **kwargs):

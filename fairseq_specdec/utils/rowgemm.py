@@ -201,3 +201,20 @@ class FusedEncoderLayer:
         pad = padding.contiguous() if padding is not None else None
         return _ext.encoder_layer(x.contiguous(), pad, qkv_w, qkv_b, out_w, out_b, sl_w, sl_b, self.heads,
                                   self.scaling, fc1_w, fc1_b, fc2_w, fc2_b, fl_w, fl_b, self.normalize_before, self.eps)
+
+
+def block_input_available() -> bool:
+    """Whether the extension has the drafting pass's input rows (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "block_input")
+
+
+def block_input(states: Tensor, tokens: Tensor, embed: Tensor, scale: float, fuse: PackedLinear, base: Tensor,
+                cuts: Tensor, offsets: Tensor, k: int) -> Tensor:
+    """The input rows of a ``specdec_vsd`` drafting pass in one call of the
+    extension (``block_input`` in ``csrc/rowgemm.cpp``): for each of the N
+    rows, the context row ``fuse([states; scale * embed[tokens]])``, then its
+    ``k`` slot rows ``base[n, min(cuts + j, P - 1)] + offsets[j] + context``.
+    ``states``: N x C, ``tokens`` and ``cuts``: N, ``base``: N x P x C.
+    Returns N x (1 + k) x C."""
+    return _ext.block_input(states.contiguous(), tokens.contiguous(), embed.contiguous(), float(scale), fuse.packed,
+                            packed_bias(fuse), base.contiguous(), cuts.contiguous(), offsets.contiguous(), int(k))
