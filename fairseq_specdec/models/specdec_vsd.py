@@ -76,6 +76,12 @@ class SpecDecVSDConfig(FairseqDataclass):
     )
 
 
+def _cpu_inference(module: nn.Module, x: Tensor, weight: Tensor) -> bool:
+    """Inference (no training, no gradients) on float32 inputs, with weights
+    the row-blocked kernel computes with: where the extension's calls apply."""
+    return not module.training and not torch.is_grad_enabled() and x.dtype == torch.float32 and rowgemm.applies_to(weight)
+
+
 class BlockLayer(nn.Module):
     """Pre-norm Transformer layer over ``[context; block]`` rows: bidirectional
     self-attention, cross-attention to the (verifier's) encoder output, FFN."""
@@ -110,13 +116,8 @@ class BlockLayer(nn.Module):
         (:func:`fairseq_specdec.utils.rowgemm.fused_layer`): inference in
         float32 on a CPU where the kernel runs.  Rounds a little differently
         from the operations below: drafts may change, never a strict output."""
-        return (
-            not self.training
-            and not torch.is_grad_enabled()
-            and x.dtype == torch.float32
-            and rowgemm.fused_layer_available()
-            and rowgemm.applies_to(self.self_qkv.weight)
-            and all(isinstance(n, nn.LayerNorm) for n in (self.ln_self, self.ln_cross, self.ln_ffn))
+        return _cpu_inference(self, x, self.self_qkv.weight) and rowgemm.fused_layer_available() and all(
+            isinstance(n, nn.LayerNorm) for n in (self.ln_self, self.ln_cross, self.ln_ffn)
         )
 
     def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor]) -> Tensor:
@@ -332,13 +333,7 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         """Whether a decoding pass builds its input rows in one call of the
         extension (:func:`fairseq_specdec.utils.rowgemm.block_input`):
         inference in float32 on a CPU where the kernel runs."""
-        return (
-            not self.training
-            and not torch.is_grad_enabled()
-            and ctx_states.dtype == torch.float32
-            and rowgemm.block_input_available()
-            and rowgemm.applies_to(self.fuse.weight)
-        )
+        return _cpu_inference(self, ctx_states, self.fuse.weight) and rowgemm.block_input_available()
 
     # ------------------------------------------------------------ training
     def forward(self, src_tokens, src_lengths, prev_output_tokens, block_mask=None, glance=None, state_blocks=None, **kwargs):
