@@ -301,13 +301,17 @@ class SpeculativeGenerator:
         m = k + 1
         # 2. verify, with fairseq's rules; in a ragged batch the slots after
         # a row's last draft are not projected (nothing reads them)
+        if k == 0:  # one token per row: the same values as below, in fewer operations
+            lprobs = verifier.forward(state.last_tokens(), state)
+            self._mask_lprobs(lprobs, state, max_len, always_mask)
+            return self._greedy_step(state, lprobs, verifier.last_features)
         offsets = torch.arange(m, device=state.device)
         drafted = needed = None
-        if k > 0 and drafted_host is not None:
+        if drafted_host is not None:
             drafted = torch.tensor(drafted_host, device=state.device)
             if n > 1 and min(drafted_host) < k:
                 needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
-        elif k > 0:
+        else:
             drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1)
         lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
         self._mask_lprobs(lprobs, state, max_len, always_mask)
@@ -317,11 +321,8 @@ class SpeculativeGenerator:
         greedy = candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
 
         # 3. accept: the accepted drafts, then the verifier's token at the bifurcation
-        if k > 0:
-            ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k], greedy[:, :k])
-            n_accepted = ok.long().cumprod(dim=1).sum(dim=1)
-        else:
-            n_accepted = torch.zeros_like(state.lengths)
+        ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k], greedy[:, :k])
+        n_accepted = ok.long().cumprod(dim=1).sum(dim=1)
         new_tokens = torch.cat([draft_tokens, greedy[:, -1:]], dim=1)
         at = n_accepted.unsqueeze(1)
         new_tokens.scatter_(1, at, greedy.gather(1, at))
@@ -335,6 +336,21 @@ class SpeculativeGenerator:
             drafted = n_accepted
         counts = torch.stack([n_new, has_eos.long(), n_accepted, drafted])
         return new_tokens, new_lprobs, n_new, cum, counts, verifier.last_features
+
+    def _greedy_step(self, state, lprobs: Tensor, features) -> tuple:
+        """Steps 2-3 of an iteration without drafts (B x 1 x V log-probs,
+        fairseq's rules applied): each row's greedy token, picked as
+        SequenceGenerator picks it (top-2 of log-prob plus the running
+        score), its log-prob, the running score after it (the same float32
+        addition), one token added, the row finished at an EOS."""
+        greedy = (lprobs + state.cum.view(-1, 1, 1)).topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
+        new_lprobs = lprobs[:, 0].gather(1, greedy)  # B x 1
+        cum = state.cum + new_lprobs[:, 0]
+        has_eos = greedy[:, 0].eq(self.eos).long()
+        n_new = torch.ones_like(state.lengths)
+        zeros = torch.zeros_like(state.lengths)
+        counts = torch.stack([n_new, has_eos, zeros, zeros])
+        return greedy, new_lprobs, n_new, cum, counts, features
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
