@@ -27,7 +27,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from ..utils import rowgemm
-from ..utils.projection import WeightsWatch
+from ..utils.projection import WeightsWatch, cat_linears
 
 #: the encoder methods whose function the lean encoder reproduces: a
 #: subclass that overrides one of them computes something else
@@ -55,11 +55,8 @@ def lean_encoder_unsupported_reason(encoder) -> Optional[str]:
             return f"layer {i} is a {type(layer).__name__}"
         if layer.activation_fn is not F.relu:
             return f"layer {i}'s feed-forward is not ReLU"
-        norms = (layer.self_attn_layer_norm, layer.final_layer_norm)
-        if not all(isinstance(n, torch.nn.LayerNorm) and n.elementwise_affine for n in norms):
-            return f"layer {i} has a layer norm other than an affine torch LayerNorm"
-        if norms[0].eps != norms[1].eps:
-            return f"layer {i}'s layer norms have different epsilons"
+        if not rowgemm.fusable_norms((layer.self_attn_layer_norm, layer.final_layer_norm)):
+            return f"layer {i}'s layer norms are not affine torch LayerNorms with one epsilon"
         attn = layer.self_attn
         if attn.bias_k is not None or attn.add_zero_attn or getattr(attn, "use_xformers", False):
             return f"layer {i} has attention bias_k/add_zero_attn or xformers"
@@ -86,7 +83,7 @@ class LeanEncoder:
     def __call__(self, net_input) -> Dict[str, List[Tensor]]:
         encoder = self.encoder
         if self._weights.changed(list(encoder.layers.parameters())):
-            self.layers = [rowgemm.FusedEncoderLayer(layer) for layer in encoder.layers]
+            self.layers = [_fused_layer(layer) for layer in encoder.layers]
         src_tokens = net_input["src_tokens"]
         padding = src_tokens.eq(encoder.padding_idx)
         has_pads = bool(padding.any())
@@ -109,3 +106,15 @@ class LeanEncoder:
             "src_tokens": [],
             "src_lengths": [src_lengths],
         }
+
+
+def _fused_layer(layer) -> rowgemm.FusedEncoderLayer:
+    """An encoder layer's weights packed for the extension's fused layer."""
+    sa = layer.self_attn
+    return rowgemm.FusedEncoderLayer(
+        layer,
+        rowgemm.PackedLinear(*cat_linears([sa.q_proj, sa.k_proj, sa.v_proj])),
+        rowgemm.PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
+        rowgemm.PackedLinear(layer.fc1.weight, layer.fc1.bias, "relu"),
+        rowgemm.PackedLinear(layer.fc2.weight, layer.fc2.bias),
+    )

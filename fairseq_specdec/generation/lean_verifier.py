@@ -29,7 +29,7 @@ from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..utils import rowgemm
-from ..utils.projection import WeightsWatch, transposed_linear
+from ..utils.projection import WeightsWatch, cat_linears, transposed_linear
 from ..utils.encoder_out import encoder_states
 from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
@@ -107,14 +107,6 @@ def make_linear(weight: Tensor, bias: Optional[Tensor], gemm: str, relu: bool = 
     return _TorchLinear(weight, bias, F.relu if relu else None)
 
 
-def _cat_linears(linears):
-    """One weight (and bias) for several ``nn.Linear`` with the same input."""
-    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
-    biases = [lin.bias for lin in linears]
-    bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
-    return weight, bias
-
-
 def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added=None, masked=None) -> Tensor:
     """Attention as fairseq's MultiheadAttention computes it, over
     ``(B * heads) x len x d`` matrices (keys/values may be strided views):
@@ -147,11 +139,11 @@ class _Layer:
         def linear(module, relu=False):
             return make_linear(module.weight, module.bias, gemm, relu)
 
-        self.qkv = make_linear(*_cat_linears([sa.q_proj, sa.k_proj, sa.v_proj]), gemm)
+        self.qkv = make_linear(*cat_linears([sa.q_proj, sa.k_proj, sa.v_proj]), gemm)
         self.sa_out = linear(sa.out_proj)
         self.sa_ln = layer.self_attn_layer_norm
         self.ca_q = linear(ca.q_proj)
-        self.ca_kv = make_linear(*_cat_linears([ca.k_proj, ca.v_proj]), gemm)
+        self.ca_kv = make_linear(*cat_linears([ca.k_proj, ca.v_proj]), gemm)
         self.ca_out = linear(ca.out_proj)
         self.ca_ln = layer.encoder_attn_layer_norm
         # ReLU is fused into the first feed-forward product (the same values)
@@ -172,12 +164,7 @@ def fusable_layer(layer) -> bool:
     extension: ReLU feed-forward, affine layer norms with one epsilon, and an
     extension built with the fused layer."""
     norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
-    return (
-        rowgemm.fused_layer_available()
-        and layer.activation_fn is F.relu
-        and all(isinstance(n, torch.nn.LayerNorm) and n.elementwise_affine for n in norms)
-        and len({n.eps for n in norms}) == 1
-    )
+    return rowgemm.fused_layer_available() and layer.activation_fn is F.relu and rowgemm.fusable_norms(norms)
 
 
 class LeanVerifier(VerifyPass):

@@ -317,8 +317,7 @@ class SpeculativeGenerator:
         self._mask_lprobs(lprobs, state, max_len, always_mask)
         draft_vlp = lprobs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
         running_t = self._running_scores(state.cum, draft_vlp, on_host=host_checks)
-        candidates = lprobs + running_t.unsqueeze(-1)
-        greedy = candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
+        greedy = self._greedy(lprobs + running_t.unsqueeze(-1))
 
         # 3. accept: the accepted drafts, then the verifier's token at the bifurcation
         ok = self.acceptance(draft_tokens, draft_lprobs, lprobs[:, :k], greedy[:, :k])
@@ -337,13 +336,18 @@ class SpeculativeGenerator:
         counts = torch.stack([n_new, has_eos.long(), n_accepted, drafted])
         return new_tokens, new_lprobs, n_new, cum, counts, verifier.last_features
 
+    def _greedy(self, candidates: Tensor) -> Tensor:
+        """Each slot's greedy token from its log-probs plus running score, as
+        SequenceGenerator takes it: the first of its top 2."""
+        return candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
+
     def _greedy_step(self, state, lprobs: Tensor, features) -> tuple:
         """Steps 2-3 of an iteration without drafts (B x 1 x V log-probs,
         fairseq's rules applied): each row's greedy token, picked as
         SequenceGenerator picks it (top-2 of log-prob plus the running
         score), its log-prob, the running score after it (the same float32
         addition), one token added, the row finished at an EOS."""
-        greedy = (lprobs + state.cum.view(-1, 1, 1)).topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
+        greedy = self._greedy(lprobs + state.cum.view(-1, 1, 1))
         new_lprobs = lprobs[:, 0].gather(1, greedy)  # B x 1
         cum = state.cum + new_lprobs[:, 0]
         has_eos = greedy[:, 0].eq(self.eos).long()

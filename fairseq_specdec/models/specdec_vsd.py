@@ -304,12 +304,20 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         base = memory.get("copy_base") if slot_tokens is None else None
         if base is not None and self._fused_input(ctx_states):
             # decoding on the CPU: the context and slot rows in one call of the
-            # extension (the same sums as below, the fuse product rowgemm's)
+            # extension (the same sums as _input_rows, the fuse product rowgemm's)
             x = rowgemm.block_input(ctx_states, ctx_tokens, self.embed_weight, float(self.embed_scale),
                                     packed_linear(self.fuse), base, cuts, self.offsets.weight, k)
-            for layer, layer_memory in zip(self.layers, memory["layers"]):
-                x = layer(x, layer_memory, memory["mask"])
-            return self.final_ln(x[:, 1:])
+        else:
+            x = F.dropout(self._input_rows(memory, ctx_states, ctx_tokens, cuts, slot_tokens, k, base), self.cfg.dropout,
+                          self.training)
+        for layer, layer_memory in zip(self.layers, memory["layers"]):
+            x = layer(x, layer_memory, memory["mask"])
+        return self.final_ln(x[:, 1:])
+
+    def _input_rows(self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor],
+                    k: int, base: Optional[Tensor]) -> Tensor:
+        """N x (1 + k) x C: the context row, then the k slot rows (the slots'
+        rows gathered from ``base`` where given: decoding)."""
         ctx = cached_linear(self.fuse, torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1))
         index = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)  # N x k target positions
         if base is not None:  # decoding: position row + soft copy, gathered
@@ -323,11 +331,7 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
                 revealed = self.embed_scale * F.embedding(slot_tokens.masked_fill(is_mask, self.padding_idx), self.embed_weight)
                 copied = torch.where(is_mask.unsqueeze(-1), copied, revealed)
             slots = copied + pos + self.offsets.weight[:k].unsqueeze(0)
-        x = torch.cat([ctx.unsqueeze(1), slots + ctx.unsqueeze(1)], dim=1)
-        x = F.dropout(x, self.cfg.dropout, self.training)
-        for layer, layer_memory in zip(self.layers, memory["layers"]):
-            x = layer(x, layer_memory, memory["mask"])
-        return self.final_ln(x[:, 1:])
+        return torch.cat([ctx.unsqueeze(1), slots + ctx.unsqueeze(1)], dim=1)
 
     def _fused_input(self, ctx_states: Tensor) -> bool:
         """Whether a decoding pass builds its input rows in one call of the

@@ -178,3 +178,12 @@ def transposed_linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor] = None
     flat = x.reshape(-1, x.size(-1))
     out = torch.mm(flat, weight_t) if bias is None else torch.addmm(bias, flat, weight_t)
     return out.view(x.shape[:-1] + (out.size(-1),))
+
+
+def cat_linears(linears):
+    """One weight (and bias, None if any is missing) for several
+    ``nn.Linear`` with the same input, their outputs side by side."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    biases = [lin.bias for lin in linears]
+    bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
+    return weight, bias

@@ -165,32 +165,31 @@ def fused_encoder_layer_available() -> bool:
     return unavailable_reason() is None and hasattr(_ext, "encoder_layer")
 
 
+def fusable_norms(norms) -> bool:
+    """Whether the fused layers compute these layer norms: affine torch
+    LayerNorms sharing one epsilon."""
+    return all(isinstance(n, torch.nn.LayerNorm) and n.elementwise_affine for n in norms) and len({n.eps for n in norms}) == 1
+
+
 class FusedEncoderLayer:
     """One fairseq Transformer encoder layer (ReLU feed-forward) in one call
     of the extension (``encoder_layer`` in ``csrc/rowgemm.cpp``): the
-    self-attention's query, key and value products as one packed weight, its
-    output product, the two feed-forward products (ReLU fused), residuals and
-    layer norms, attention over each sentence's own rows with its padding
-    masked.  The same function as the layer's operations, rounded as
-    :class:`FusedDecoderLayer` is; the weights are packed at construction
-    (a snapshot: its owner rebuilds it when they change)."""
+    self-attention's query, key and value products (``qkv``, one
+    :class:`PackedLinear` of the three weights), its output product
+    (``out``), the two feed-forward products (``fc1`` with ReLU, ``fc2``),
+    residuals and layer norms, attention over each sentence's own rows with
+    its padding masked.  The same function as the layer's operations,
+    rounded as :class:`FusedDecoderLayer` is; the layer norms are read at
+    construction (a snapshot, like the packs: its owner rebuilds it when
+    the weights change)."""
 
-    def __init__(self, layer):
-        sa = layer.self_attn
-        qkv = [sa.q_proj, sa.k_proj, sa.v_proj]
-        biases = [lin.bias for lin in qkv]
-        bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
-        linears = (
-            PackedLinear(torch.cat([lin.weight.detach() for lin in qkv]), bias),
-            PackedLinear(sa.out_proj.weight, sa.out_proj.bias),
-            PackedLinear(layer.fc1.weight, layer.fc1.bias, "relu"),
-            PackedLinear(layer.fc2.weight, layer.fc2.bias),
-        )
+    def __init__(self, layer, qkv: PackedLinear, out: PackedLinear, fc1: PackedLinear, fc2: PackedLinear):
+        linears = (qkv, out, fc1, fc2)
         self.weights = [(p.packed, packed_bias(p)) for p in linears]
         self.norms = [(n.weight.detach().float().contiguous(), n.bias.detach().float().contiguous())
                       for n in (layer.self_attn_layer_norm, layer.final_layer_norm)]
         self.eps = float(layer.self_attn_layer_norm.eps)
-        self.heads, self.scaling = int(sa.num_heads), float(sa.scaling)
+        self.heads, self.scaling = int(layer.self_attn.num_heads), float(layer.self_attn.scaling)
         self.normalize_before = bool(layer.normalize_before)
 
     def __call__(self, x: Tensor, padding: Optional[Tensor]) -> Tensor:
