@@ -622,6 +622,11 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
   return out;
 }
 
+// csrc/step.cpp: the tail of a strict speculative iteration in one call
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
+    const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
+    const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -633,4 +638,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
   m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
+  m.def("strict_step", &strict_step,
+        "the tail of a strict speculative iteration: fairseq's rules, running scores, greedy picks, acceptance");
 }

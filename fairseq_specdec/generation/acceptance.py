@@ -10,16 +10,26 @@ A rule maps, for a batch of B rows and k drafted tokens,
 to a B x k bool tensor "draft j is acceptable at its slot".  The loop keeps the
 longest acceptable prefix and then the verifier's own token.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from ..utils import rowgemm
+
 VERIFY_SCORES = ("verifier", "drafter")
+
+#: ``--accept-impl`` choices: how the loop goes from the verify pass's
+#: log-probs to the tokens it appends (fairseq's rules, greedy picks, the rule)
+ACCEPT_IMPLS = ("auto", "fused", "torch")
 
 
 class StrictAcceptance:
     """Accept a draft only if it is the verifier's greedy token: lossless."""
 
     uses_draft_scores = False
+    #: the extension's ``strict_step`` (``--accept-impl fused``) computes this rule
+    fused = True
 
     def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
         return draft_tokens.eq(greedy)
@@ -39,6 +49,8 @@ class TopBetaAcceptance:
     (log-prob -inf: pad, EOS before --min-len, anything but EOS at the length
     limit) are never accepted.
     """
+
+    fused = False
 
     def __init__(self, beta: int, tau: float, score: str = "verifier"):
         if beta < 1:
@@ -65,6 +77,17 @@ class TopBetaAcceptance:
 
     def __repr__(self):
         return f"top-beta(beta={self.beta}, tau={self.tau}, score={self.score})"
+
+
+def fused_accept_reason(rule, unk_penalty: float) -> Optional[str]:
+    """Why ``--accept-impl fused`` cannot run ``rule`` (None: it can, on a
+    CPU verifier's float32 log-probs): the extension's one call computes
+    strict acceptance under fairseq's rules without ``--unkpen``."""
+    if not rule.fused:
+        return f"it computes strict verification only, and the acceptance rule is {rule!r} (--verify-beta > 1)"
+    if unk_penalty != 0:
+        return f"it applies no --unkpen, and --unkpen is {unk_penalty}"
+    return rowgemm.strict_step_unavailable_reason()
 
 
 def build_acceptance(beta: int, tau: float, score: str):

@@ -280,10 +280,12 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         verify_impl=str(getattr(cfg, "verify_impl", "auto")),
         verify_gemm=str(getattr(cfg, "verify_gemm", "auto")),
         encoder_impl=str(getattr(cfg, "encoder_impl", "auto")),
+        accept_impl=str(getattr(cfg, "accept_impl", "auto")),
         cuda_graphs=str(getattr(cfg, "cuda_graphs", "auto")),
     )
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
-        f"drafter {built.description}, verify pass {generator.verifier.describe()}"
+        f"drafter {built.description}, verify pass {generator.verifier.describe()}, "
+        f"acceptance step {'fused C++' if generator.fused_accept else 'torch'}"
     )
     return generator

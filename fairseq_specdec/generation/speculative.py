@@ -20,6 +20,10 @@ Every iteration, for all unfinished rows of the batch at once:
 5. **retire**: finished rows are finalized and leave the batch everywhere
    (``DecodingState.keep``).
 
+Steps 2-3 after the pass (:meth:`SpeculativeGenerator._accept`) run as one
+call of the C++ extension where ``--accept-impl`` allows it (strict
+verification on a CPU), else as tensor operations; both give the same values.
+
 With :class:`~fairseq_specdec.generation.acceptance.StrictAcceptance` the
 output is the ``--beam 1`` output, whatever the drafter proposes.
 """
@@ -31,8 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..utils import rowgemm
 from ..utils.encoder_out import max_output_length
 from ..utils.projection import inference_scope
+from .acceptance import ACCEPT_IMPLS, fused_accept_reason
 from .drafters import Drafter
 from .iteration_graphs import IterationGraphs
 from .static_verifier import StaticVerifier
@@ -160,6 +166,7 @@ class SpeculativeGenerator:
         verify_gemm: str = "auto",
         cuda_graphs: str = "auto",
         encoder_impl: str = "auto",
+        accept_impl: str = "auto",
     ):
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
@@ -174,6 +181,13 @@ class SpeculativeGenerator:
         if cuda_graphs in ("static", "iteration") and isinstance(self.verifier, StaticVerifier) and drafter.static_inputs():
             self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32, graphs=cuda_graphs == "iteration")
         self.acceptance = acceptance
+        #: steps 2-3 after the verify pass as one call of the extension
+        #: (``--accept-impl``): where the verifier's log-probs are float32 on a
+        #: CPU and the loop reads the drafts on the host; else tensor operations
+        device = next(verifier_model.parameters()).device
+        self.fused_accept = self._fused_accept(accept_impl, acceptance, unk_penalty, device)
+        #: iterations the fused call left to the tensor operations (a tie for a greedy pick)
+        self.fused_ties = 0
         self.block_size = block_size
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.vocab_size = len(tgt_dict)
@@ -191,6 +205,20 @@ class SpeculativeGenerator:
 
     def cuda(self):
         return self
+
+    @staticmethod
+    def _fused_accept(impl: str, acceptance, unk_penalty: float, device: torch.device) -> bool:
+        """Whether ``--accept-impl`` ``impl`` runs steps 2-3 in the extension."""
+        if impl not in ACCEPT_IMPLS:
+            raise ValueError(f"--accept-impl must be one of {', '.join(ACCEPT_IMPLS)}, got {impl!r}")
+        if impl == "torch":
+            return False
+        reason = fused_accept_reason(acceptance, unk_penalty)
+        if reason is None and device.type != "cpu":
+            reason = f"it runs on a CPU, and the verifier is on {device}"
+        if impl == "fused" and reason is not None:
+            raise ValueError(f"--accept-impl fused cannot run: {reason}; use --accept-impl auto or torch")
+        return reason is None
 
     def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int, always: bool = False) -> None:
         """fairseq SequenceGenerator's per-step rules, in place.  Slot j of row r
@@ -294,27 +322,43 @@ class SpeculativeGenerator:
         reads back (tokens added, finished, drafts accepted, drafts
         verified) and the verifier's final states of the pass."""
         verifier = self.verifier
-        n = state.size
         # 1. draft
         draft_tokens, draft_lprobs, drafted_host = self._draft(state, k, host_checks)
         k = draft_tokens.size(1)
-        m = k + 1
-        # 2. verify, with fairseq's rules; in a ragged batch the slots after
-        # a row's last draft are not projected (nothing reads them)
-        if k == 0:  # one token per row: the same values as below, in fewer operations
+        # 2. verify; in a ragged batch the slots after a row's last draft are
+        # not projected (nothing reads them)
+        if k == 0:
             lprobs = verifier.forward(state.last_tokens(), state)
-            self._mask_lprobs(lprobs, state, max_len, always_mask)
-            return self._greedy_step(state, lprobs, verifier.last_features)
-        offsets = torch.arange(m, device=state.device)
-        drafted = needed = None
+        else:
+            needed = None
+            if drafted_host is not None and state.size > 1 and min(drafted_host) < k:
+                drafted = torch.tensor(drafted_host, device=state.device)
+                needed = torch.arange(k + 1, device=state.device).unsqueeze(0) <= drafted.unsqueeze(1)
+            lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
+        return self._accept(state, lprobs, draft_tokens, draft_lprobs, drafted_host, max_len, host_checks,
+                            always_mask) + (verifier.last_features,)
+
+    def _accept(self, state, lprobs: Tensor, draft_tokens: Tensor, draft_lprobs: Optional[Tensor],
+                drafted_host: Optional[List[int]], max_len: int, host_checks: bool, always_mask: bool = False) -> tuple:
+        """Steps 2-3 after the verify pass: fairseq's rules applied to the
+        B x (k + 1) x V ``lprobs``, each slot's greedy token, the acceptance
+        rule, the tokens to append.  Returns ``(new_tokens, new_lprobs, n_new,
+        cum, counts)`` (see :meth:`_step`).  One call of the extension where
+        it runs (:meth:`_fused_tail`), else tensor operations; the two give
+        the same values."""
+        k = draft_tokens.size(1)
+        if host_checks and (k == 0 or drafted_host is not None):
+            fused = self._fused_tail(lprobs, draft_tokens, state, drafted_host or [], max_len)
+            if fused is not None:
+                return fused
+        self._mask_lprobs(lprobs, state, max_len, always_mask)
+        if k == 0:  # one token per row: the same values as below, in fewer operations
+            return self._greedy_step(state, lprobs)
+        offsets = torch.arange(k + 1, device=state.device)
         if drafted_host is not None:
             drafted = torch.tensor(drafted_host, device=state.device)
-            if n > 1 and min(drafted_host) < k:
-                needed = offsets.unsqueeze(0) <= drafted.unsqueeze(1)
         else:
             drafted = draft_tokens.ne(self.pad).long().cumprod(dim=1).sum(dim=1)
-        lprobs = verifier.forward(torch.cat([state.last_tokens(), draft_tokens], dim=1), state, needed)
-        self._mask_lprobs(lprobs, state, max_len, always_mask)
         draft_vlp = lprobs[:, :k].gather(2, draft_tokens.unsqueeze(-1)).squeeze(-1)
         running_t = self._running_scores(state.cum, draft_vlp, on_host=host_checks)
         greedy = self._greedy(lprobs + running_t.unsqueeze(-1))
@@ -331,17 +375,33 @@ class SpeculativeGenerator:
         n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
         last_new = (n_new - 1).unsqueeze(1)
         cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
-        if drafted is None:
-            drafted = n_accepted
         counts = torch.stack([n_new, has_eos.long(), n_accepted, drafted])
-        return new_tokens, new_lprobs, n_new, cum, counts, verifier.last_features
+        return new_tokens, new_lprobs, n_new, cum, counts
+
+    def _fused_tail(self, lprobs: Tensor, draft_tokens: Tensor, state, drafted: List[int], max_len: int) -> Optional[tuple]:
+        """Steps 2-3 after the verify pass (fairseq's rules, greedy picks,
+        strict acceptance, the tokens to append) as one call of the extension
+        (:func:`~fairseq_specdec.utils.rowgemm.strict_step`):
+        ``(new_tokens, new_lprobs, n_new, cum, counts)``, the values the
+        tensor operations compute.  ``drafted``: each row's count of drafted
+        tokens (the loop's host checks), empty where k = 0.  None where it
+        does not run (not ``fused_accept``, log-probs not float32 on a CPU) or
+        a greedy pick ties: the caller's tensor operations then take the
+        iteration, from the same unchanged log-probs."""
+        if not (self.fused_accept and lprobs.dtype == torch.float32 and lprobs.device.type == "cpu"):
+            return None
+        out = rowgemm.strict_step(lprobs, draft_tokens, state.cum, state.lengths, drafted, self.pad, self.eos,
+                                  self.min_len, max_len)
+        if out is None:
+            self.fused_ties += 1
+        return out
 
     def _greedy(self, candidates: Tensor) -> Tensor:
         """Each slot's greedy token from its log-probs plus running score, as
         SequenceGenerator takes it: the first of its top 2."""
         return candidates.topk(min(2, self.vocab_size - 1), dim=-1).indices[..., 0]
 
-    def _greedy_step(self, state, lprobs: Tensor, features) -> tuple:
+    def _greedy_step(self, state, lprobs: Tensor) -> tuple:
         """Steps 2-3 of an iteration without drafts (B x 1 x V log-probs,
         fairseq's rules applied): each row's greedy token, picked as
         SequenceGenerator picks it (top-2 of log-prob plus the running
@@ -354,7 +414,7 @@ class SpeculativeGenerator:
         n_new = torch.ones_like(state.lengths)
         zeros = torch.zeros_like(state.lengths)
         counts = torch.stack([n_new, has_eos, zeros, zeros])
-        return greedy, new_lprobs, n_new, cum, counts, features
+        return greedy, new_lprobs, n_new, cum, counts
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):

@@ -18,7 +18,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from ..generation.acceptance import VERIFY_SCORES
+from ..generation.acceptance import ACCEPT_IMPLS, VERIFY_SCORES
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
@@ -36,6 +36,7 @@ VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
 VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
 ENCODER_IMPL_CHOICES = ChoiceEnum(list(ENCODER_IMPLS))
 CUDA_GRAPHS_CHOICES = ChoiceEnum(list(CUDA_GRAPHS))
+ACCEPT_IMPL_CHOICES = ChoiceEnum(list(ACCEPT_IMPLS))
 
 #: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
 #: and costs little with good ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
@@ -168,6 +169,17 @@ class DraftVerifyConfig(TranslationConfig):
             "plugin's C++ extension (needs rowgemm products: float32 CPU weights, AVX2); 'fairseq': "
             "fairseq's encoder modules; 'auto' (default): lean where it runs, else fairseq. The two "
             "round differently, as --verify-gemm's products do"
+        },
+    )
+    accept_impl: ACCEPT_IMPL_CHOICES = field(
+        default="auto",
+        metadata={
+            "help": "speculative decodings: how each iteration goes from the verify pass's log-probs to "
+            "the tokens it appends (fairseq's --beam 1 rules, the greedy picks, the acceptance, the "
+            "running scores). 'fused': one call of the plugin's C++ extension (strict verification, "
+            "a CPU verifier, no --unkpen; an iteration whose greedy pick ties goes to torch); 'torch': "
+            "tensor operations; 'auto' (default): fused where it runs, else torch. Both give the same "
+            "tokens and scores"
         },
     )
     cuda_graphs: CUDA_GRAPHS_CHOICES = field(
@@ -327,6 +339,7 @@ class DraftVerifyTask(TranslationTask):
         ("verify_impl", "auto"),
         ("verify_gemm", "auto"),
         ("encoder_impl", "auto"),
+        ("accept_impl", "auto"),
         ("cuda_graphs", "auto"),
         ("specdec_stats", None),
         ("ngram_split", "train"),

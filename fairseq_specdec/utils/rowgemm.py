@@ -19,7 +19,7 @@ The extension is built at install (``setup.py``) and is optional:
 :func:`unavailable_reason` says why it cannot be used, and callers fall back
 to torch's products.
 """
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -217,3 +217,30 @@ def block_input(states: Tensor, tokens: Tensor, embed: Tensor, scale: float, fus
     Returns N x (1 + k) x C."""
     return _ext.block_input(states.contiguous(), tokens.contiguous(), embed.contiguous(), float(scale), fuse.packed,
                             packed_bias(fuse), base.contiguous(), cuts.contiguous(), offsets.contiguous(), int(k))
+
+
+def strict_step_unavailable_reason() -> Optional[str]:
+    """Why the extension's strict step cannot run here (None: it can).  It is
+    plain C++ with no AVX2 code: it needs the extension, built with it."""
+    if _ext is None:
+        return f"the C++ extension fairseq_specdec._rowgemm is not built ({_IMPORT_ERROR}); reinstall the plugin with a C++ compiler"
+    if not hasattr(_ext, "strict_step"):
+        return "the C++ extension fairseq_specdec._rowgemm was built without strict_step; reinstall the plugin"
+    return None
+
+
+def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, drafted: List[int], pad: int, eos: int,
+                min_len: int, max_len: int) -> Optional[tuple]:
+    """The tail of a strict speculative iteration in one call of the extension
+    (``strict_step`` in ``csrc/step.cpp``, whose comment states the contract):
+    from the verify pass's B x (k + 1) x V float32 log-probs (read, not
+    changed), the B x k drafts, the running scores ``cum`` and the output
+    lengths of the rows, to ``(new_tokens, new_lprobs, n_new, cum, counts)``
+    as ``SpeculativeGenerator._step`` computes them with tensor operations
+    under strict acceptance and no ``--unkpen``.  ``drafted``: each row's
+    count of drafted tokens (empty: the accepted counts stand in).  None where
+    a slot the rows read has a tie for its largest log-prob plus running
+    score: the tensor operations then decide it as fairseq's top-2 does."""
+    *out, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(), lengths.contiguous(),
+                                 list(drafted), int(pad), int(eos), int(min_len), int(max_len))
+    return None if tie else tuple(out)

@@ -1,0 +1,158 @@
+// The tail of one iteration of the speculative loop under strict
+// verification, on a CPU, in one call: from the verify pass's log-probs to
+// the tokens each row appends.  It replaces some twenty tensor operations
+// of SpeculativeGenerator._step (fairseq's per-step rules, the running
+// scores along the draft path, each slot's top-2 pick, the accepted prefix,
+// the EOS search, the running score after the new tokens), each of which
+// costs more in dispatch than in arithmetic at a verify pass's few rows.
+//
+// Contract (the values of the tensor-operation path, exactly):
+// * fairseq's rules as SpeculativeGenerator._mask_lprobs applies them with
+//   no --unk-penalty: NaN reads -inf, the pad reads -inf, the EOS reads -inf
+//   at output steps before min_len, every token but the EOS reads -inf at
+//   steps >= max_len (slot j of row r is output step lengths[r] + j);
+// * the running score before slot j is cum, then the drafted tokens'
+//   log-probs added one at a time in float32 (SequenceGenerator's order);
+// * slot j's greedy token is the index of the largest float32 sum
+//   log-prob + running score, which is what fairseq's top-2 takes first
+//   when that largest value is unique;
+// * a draft is accepted while it equals its slot's greedy token; the row
+//   appends the accepted drafts and the greedy token of the first slot not
+//   accepted, cut after the first EOS among them.
+// Where the largest sum of a slot the row reads is not unique (a tie, or a
+// NaN running score), the top-2's choice between the tied tokens is
+// torch's, so the call reports a tie and computes nothing the caller may
+// use: the caller takes the tensor-operation path for the iteration.  Slots
+// after the first one not accepted are not read (their log-probs may be
+// anything); the returned tokens there are the drafts (the pad in the last
+// slot) with log-prob 0, scratch that the loop writes past the accepted
+// output.  ``lprobs`` is only read.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// The greedy pick of one slot: the index of the largest masked log-prob +
+// running, and whether it is unique.
+struct Pick {
+  int64_t token;
+  float lprob;  // the masked log-prob of ``token``
+  bool unique;
+};
+
+inline Pick pick(const float* row, int64_t V, float running, int64_t pad, int64_t eos, bool no_eos, bool eos_only) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  auto masked = [&](int64_t v) {
+    const float x = row[v];
+    if (std::isnan(x) || v == pad || (no_eos && v == eos) || (eos_only && v != eos)) return kNegInf;
+    return x;
+  };
+  if (eos_only) {  // every other token reads -inf: the EOS, unless it does too
+    const float x = masked(eos);
+    return {eos, x, V == 1 || x + running > kNegInf};
+  }
+  float best = kNegInf;
+  int64_t arg = -1;
+  int64_t count = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const float s = masked(v) + running;
+    if (s > best) {
+      best = s;
+      arg = v;
+      count = 1;
+    } else if (s == best) {
+      ++count;
+    }
+  }
+  if (arg < 0) return {0, kNegInf, V == 1};  // every sum -inf
+  return {arg, masked(arg), count == 1};
+}
+
+}  // namespace
+
+// lprobs: B x (k + 1) x V float32 (contiguous CPU); drafts: B x k int64;
+// cum: B float32; lengths: B int64; drafted: B counts (or empty: the
+// accepted counts stand in).  Returns (new_tokens B x (k + 1) int64,
+// new_lprobs B x (k + 1) float32, n_new B int64, cum B float32,
+// counts 4 x B int64 [n_new, finished, accepted, drafted], tie).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
+    const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
+    const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len) {
+  TORCH_CHECK(lprobs.dim() == 3 && lprobs.scalar_type() == at::kFloat && lprobs.device().is_cpu() &&
+                  lprobs.is_contiguous(),
+              "strict_step: lprobs must be a contiguous B x m x V float32 CPU tensor");
+  const int64_t B = lprobs.size(0), m = lprobs.size(1), V = lprobs.size(2), k = m - 1;
+  TORCH_CHECK(m >= 1 && V >= 1, "strict_step: lprobs has no slot or no vocabulary");
+  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == B && drafts.size(1) == k && drafts.scalar_type() == at::kLong &&
+                  drafts.device().is_cpu() && drafts.is_contiguous(),
+              "strict_step: drafts must be a contiguous B x (m - 1) int64 CPU tensor");
+  TORCH_CHECK(cum.dim() == 1 && cum.size(0) == B && cum.scalar_type() == at::kFloat && cum.device().is_cpu() &&
+                  cum.is_contiguous(),
+              "strict_step: cum must be a contiguous float32 CPU vector of B");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong &&
+                  lengths.device().is_cpu() && lengths.is_contiguous(),
+              "strict_step: lengths must be a contiguous int64 CPU vector of B");
+  TORCH_CHECK(drafted.empty() || static_cast<int64_t>(drafted.size()) == B,
+              "strict_step: drafted must hold one count per row (or none)");
+  TORCH_CHECK(pad >= 0 && pad < V && eos >= 0 && eos < V, "strict_step: pad and eos must be tokens of the vocabulary");
+
+  auto long_opts = drafts.options();
+  auto new_tokens = at::empty({B, m}, long_opts);
+  auto new_lprobs = at::empty({B, m}, lprobs.options());
+  auto n_new = at::empty({B}, long_opts);
+  auto cum_out = at::empty({B}, cum.options());
+  auto counts = at::empty({4, B}, long_opts);
+  const float* lp = lprobs.data_ptr<float>();
+  const int64_t* dr = drafts.data_ptr<int64_t>();
+  const float* cm = cum.data_ptr<float>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  int64_t* nt = new_tokens.data_ptr<int64_t>();
+  float* nl = new_lprobs.data_ptr<float>();
+  int64_t* nn = n_new.data_ptr<int64_t>();
+  float* co = cum_out.data_ptr<float>();
+  int64_t* ct = counts.data_ptr<int64_t>();
+  std::vector<float> running(static_cast<size_t>(m));
+
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t* draft = dr + r * k;
+    int64_t* tokens = nt + r * m;
+    float* tok_lprobs = nl + r * m;
+    running[0] = cm[r];
+    int64_t accepted = 0;
+    for (int64_t j = 0; j <= k; ++j) {  // slot j, while the drafts before it are accepted
+      if (std::isnan(running[j])) return {new_tokens, new_lprobs, n_new, cum_out, counts, true};
+      const int64_t step = len[r] + j;
+      const Pick p = pick(lp + (r * m + j) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
+      if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, true};
+      tokens[j] = p.token;
+      tok_lprobs[j] = p.lprob;
+      if (j == k || draft[j] != p.token) break;
+      running[j + 1] = running[j] + p.lprob;  // the draft's log-prob: it is the greedy token
+      ++accepted;
+    }
+    for (int64_t j = accepted + 1; j < m; ++j) {  // scratch past the verifier's token
+      tokens[j] = j < k ? draft[j] : pad;
+      tok_lprobs[j] = 0.0f;
+    }
+    int64_t added = accepted + 1;
+    bool finished = false;
+    for (int64_t j = 0; j <= accepted; ++j) {
+      if (tokens[j] == eos) {
+        added = j + 1;
+        finished = true;
+        break;
+      }
+    }
+    nn[r] = added;
+    co[r] = running[added - 1] + tok_lprobs[added - 1];
+    ct[r] = added;
+    ct[B + r] = finished ? 1 : 0;
+    ct[2 * B + r] = accepted;
+    ct[3 * B + r] = drafted.empty() ? accepted : drafted[r];
+  }
+  return {new_tokens, new_lprobs, n_new, cum_out, counts, false};
+}

@@ -1,0 +1,215 @@
+"""``--accept-impl fused``: the extension's strict step (``csrc/step.cpp``)
+gives the values of the loop's tensor operations.
+
+* on random log-probs with planted drafts (accepted prefixes of every
+  length, a drafted EOS inside the accepted prefix, ragged drafts, NaNs, the
+  ``--min-len`` and length-limit rules) its tokens, log-probs, running scores
+  and counts equal the tensor operations' bitwise, and it leaves the
+  log-probs as they were;
+* a tie for a greedy pick (which fairseq's top-2 decides) is left to the
+  tensor operations, which then take the iteration;
+* decodings through it equal fairseq's ``--beam 1`` and the tensor
+  operations' decodings;
+* ``--accept-impl`` is checked and refused by name where it cannot run.
+"""
+import types
+
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
+import fairseq_specdec  # noqa: F401
+from fairseq_specdec.generation import NATBlockDrafter, NoDrafter, SpeculativeGenerator, StrictAcceptance, TopBetaAcceptance
+from fairseq_specdec.utils import rowgemm
+
+pytestmark = pytest.mark.skipif(
+    rowgemm.strict_step_unavailable_reason() is not None, reason=str(rowgemm.strict_step_unavailable_reason())
+)
+
+
+@pytest.fixture(scope="module")
+def model_and_dict(toy_bin):
+    from test_lean_verifier import untrained_transformer
+
+    model, task = untrained_transformer(toy_bin)
+    return model, task
+
+
+class CountingStep:
+    """Counts the extension's strict steps and the ties it reported."""
+
+    def __init__(self, monkeypatch):
+        self.calls = self.ties = 0
+        real = rowgemm.strict_step
+
+        def counted(*args):
+            self.calls += 1
+            out = real(*args)
+            self.ties += out is None
+            return out
+
+        monkeypatch.setattr(rowgemm, "strict_step", counted)
+
+
+def generator(model, d, accept_impl="auto", **opts):
+    opts = dict(dict(max_len_a=0, max_len_b=200, min_len=1), **opts)
+    return SpeculativeGenerator(model, NoDrafter(), StrictAcceptance(), d, block_size=8,
+                                accept_impl=accept_impl, **opts)
+
+
+def planted_case(seed, d, bsz, k):
+    """Log-probs whose greedy picks follow planted drafts for a random number
+    of slots per row, then differ; some rows draft an EOS in that prefix,
+    some draft fewer tokens (pads, their later slots -inf as the verify pass
+    leaves unprojected slots), some entries are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    V, pad, eos = len(d), d.pad(), d.eos()
+    logits = torch.randn(bsz, k + 1, V, generator=g) * 2
+    drafts = torch.randint(d.nspecial, V, (bsz, k), generator=g)
+    drafted = []
+    for r in range(bsz):
+        right = int(torch.randint(0, k + 1, (1,), generator=g))  # drafts the verifier agrees with
+        if k and torch.rand(1, generator=g) < 0.3:
+            drafts[r, int(torch.randint(0, max(1, right), (1,), generator=g))] = eos
+        for j in range(right):
+            logits[r, j, drafts[r, j]] += 20.0
+        count = k
+        if k and torch.rand(1, generator=g) < 0.3:  # a ragged row: fewer drafts
+            count = int(torch.randint(0, k, (1,), generator=g))
+            drafts[r, count:] = pad
+        drafted.append(count)
+    lprobs = torch.log_softmax(logits, dim=-1)
+    for r, count in enumerate(drafted):
+        lprobs[r, count + 1:] = -float("inf")  # not projected
+    nans = torch.rand(lprobs.shape, generator=g) < 0.01
+    nans[..., eos] = False  # at the length limit a NaN EOS would leave every token -inf: a tie
+    lprobs[nans & (lprobs < -3)] = float("nan")
+    lengths = torch.randint(0, 12, (bsz,), generator=g)
+    cum = -torch.rand(bsz, generator=g) * 10
+    state = types.SimpleNamespace(lengths=lengths, lengths_host=lengths.tolist(), cum=cum, size=bsz,
+                                  device=torch.device("cpu"))
+    return lprobs, drafts, drafted, state
+
+
+def accept(gen, fused, lprobs, drafts, drafted, state, max_len):
+    gen.fused_accept = fused
+    return gen._accept(state, lprobs, drafts, None, drafted if drafts.size(1) else None, max_len, True)
+
+
+def assert_same_step(a, b):
+    tokens_a, lprobs_a, n_a, cum_a, counts_a = a
+    tokens_b, lprobs_b, n_b, cum_b, counts_b = b
+    assert n_a.tolist() == n_b.tolist()
+    assert counts_a.tolist() == counts_b.tolist()
+    assert torch.equal(cum_a, cum_b)  # bitwise: the same float32 additions
+    for r, n in enumerate(n_a.tolist()):  # past n_new the columns are scratch
+        assert tokens_a[r, :n].tolist() == tokens_b[r, :n].tolist()
+        assert torch.equal(lprobs_a[r, :n], lprobs_b[r, :n])
+
+
+@pytest.mark.parametrize("rules", [dict(), dict(min_len=6), dict(max_len=9)])
+@pytest.mark.parametrize("bsz,k", [(1, 0), (1, 1), (1, 5), (4, 0), (4, 3), (9, 7)])
+def test_fused_step_gives_the_tensor_operations_values(model_and_dict, monkeypatch, rules, bsz, k):
+    model, task = model_and_dict
+    d = task.target_dictionary
+    gen = generator(model, d, min_len=rules.get("min_len", 1))
+    assert gen.fused_accept
+    counting = CountingStep(monkeypatch)
+    max_len = rules.get("max_len", 200)
+    accepted = set()
+    for seed in range(12):
+        lprobs, drafts, drafted, state = planted_case(seed, d, bsz, k)
+        before = lprobs.clone()
+        fused = accept(gen, True, lprobs, drafts, drafted, state, max_len)
+        assert torch.equal(lprobs.nan_to_num(), before.nan_to_num()) and torch.equal(lprobs.isnan(), before.isnan())
+        ops = accept(gen, False, lprobs, drafts, drafted, state, max_len)
+        assert_same_step(fused, ops)
+        accepted.update(fused[4][2].tolist())
+    assert counting.calls == 12 and counting.ties == 0
+    if k and not rules:
+        assert len(accepted) >= min(3, k + 1)  # the cases cover several accepted lengths
+
+
+def test_a_tie_is_left_to_the_tensor_operations(model_and_dict, monkeypatch):
+    model, task = model_and_dict
+    d = task.target_dictionary
+    gen = generator(model, d)
+    counting = CountingStep(monkeypatch)
+    lprobs, drafts, drafted, state = planted_case(0, d, 3, 2)
+    drafts[:] = d.nspecial  # row 1 ties at its first slot between two tokens, both not drafted
+    lprobs[1, 0, d.nspecial + 1] = lprobs[1, 0, d.nspecial + 2] = 5.0
+    fused = accept(gen, True, lprobs.clone(), drafts, drafted, state, 200)
+    assert counting.calls == 1 and counting.ties == 1 and gen.fused_ties == 1
+    assert_same_step(fused, accept(gen, False, lprobs.clone(), drafts, drafted, state, 200))
+    # a tie in a slot after the first rejection is never read: no fallback
+    lprobs[1, 0, d.nspecial + 2] = 4.0
+    lprobs[1, 1, d.nspecial + 1] = lprobs[1, 1, d.nspecial + 2] = 5.0
+    accept(gen, True, lprobs.clone(), drafts, drafted, state, 200)
+    assert counting.calls == 2 and counting.ties == 1
+    # a NaN running score is a tie too (top-2 ranks NaN first)
+    state.cum[0] = float("nan")
+    accept(gen, True, lprobs.clone(), drafts, drafted, state, 200)
+    assert counting.ties == 2
+
+
+@pytest.mark.parametrize("opts", ["default", "max_len_3", "min_len_15"])
+@pytest.mark.parametrize("bsz", [1, 5])
+def test_decodings_through_the_fused_step_equal_beam1(model_and_dict, tiny_drafter, monkeypatch, opts, bsz):
+    model, task = model_and_dict
+    d = task.target_dictionary
+    counting = CountingStep(monkeypatch)
+    options = dict(OPTION_SETS[opts], max_len_b=min(OPTION_SETS[opts]["max_len_b"], 20))
+    ref = run_generator(seq_gen(model, d, options), model, H.batches(task, "test", bsz))
+    got = {}
+    for impl in ("fused", "torch"):
+        gen = SpeculativeGenerator(model, NATBlockDrafter(tiny_drafter[0]), StrictAcceptance(), d, block_size=3,
+                                   accept_impl=impl, **options)
+        got[impl] = run_generator(gen, model, H.batches(task, "test", bsz))
+        assert_identical(ref, got[impl])
+    assert_identical(got["torch"], got["fused"], atol=0)
+    assert counting.calls > 0 and counting.ties == 0
+
+
+def test_accept_impl_is_checked(model_and_dict):
+    model, task = model_and_dict
+    d = task.target_dictionary
+    drafter = NoDrafter()
+
+    def build(acceptance, impl, **opts):
+        return SpeculativeGenerator(model, drafter, acceptance, d, block_size=3, accept_impl=impl, **opts)
+
+    assert build(StrictAcceptance(), "auto").fused_accept
+    assert build(StrictAcceptance(), "fused").fused_accept
+    assert not build(StrictAcceptance(), "torch").fused_accept
+    relaxed = TopBetaAcceptance(3, 1.0)
+    assert not build(relaxed, "auto").fused_accept
+    assert not build(StrictAcceptance(), "auto", unk_penalty=1.5).fused_accept
+    with pytest.raises(ValueError, match=r"--accept-impl fused cannot run: .*strict verification only.*--verify-beta"):
+        build(relaxed, "fused")
+    with pytest.raises(ValueError, match=r"--accept-impl fused cannot run: .*--unkpen is 1.5"):
+        build(StrictAcceptance(), "fused", unk_penalty=1.5)
+    with pytest.raises(ValueError, match="--accept-impl must be one of auto, fused, torch"):
+        build(StrictAcceptance(), "cpp")
+
+
+@pytest.mark.slow  # needs the trained toy verifier's checkpoint
+def test_accept_impl_reaches_the_generator(ar_checkpoint, toy_bin):
+    from fairseq import checkpoint_utils, tasks
+
+    fused = {}
+    for impl in (None, "torch", "fused"):
+        argv = ["--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "loop-greedy", "--beam", "1"]
+        if impl is not None:
+            argv += ["--accept-impl", impl]
+        cfg = H.generation_cfg(toy_bin, *argv)
+        task = tasks.setup_task(cfg.task)
+        models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
+        fused[impl] = task.build_generator(models, cfg.generation).fused_accept
+    assert fused == {None: True, "torch": False, "fused": True}
+    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--beam", "1",
+                           "--accept-impl", "torch")
+    task = tasks.setup_task(cfg.task)
+    models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
+    with pytest.raises(ValueError, match="--accept-impl torch applies to speculative decodings only"):
+        task.build_generator(models, cfg.generation)
