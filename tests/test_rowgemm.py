@@ -110,10 +110,12 @@ def test_fused_block_layer_computes_the_block_layers_operations(masked, monkeypa
         mask[1, ..., 4:] = False  # padding of the second sentence's source
     with torch.no_grad():
         memory = layer.memory(enc)
-        assert layer._fused(x)
+        assert layer._fused_args() is not None
         fused = layer(x, memory, mask)
+        # a build without the fused layer (decided once per layer: the build cannot change)
         monkeypatch.setattr(rowgemm, "fused_layer_available", lambda: False)
-        assert not layer._fused(x)
+        layer.__dict__.pop("_specdec_fused_args")
+        assert layer._fused_args() is None
         ops = layer(x, memory, mask)
     assert torch.allclose(fused, ops, atol=2e-5, rtol=1e-4), (fused - ops).abs().max()
     if masked:  # the mask matters: without it the second row's output changes
@@ -133,5 +135,5 @@ def test_fused_layer_refuses_a_cache_too_small_by_name():
     cross = (torch.randn(2, 3, 8), torch.randn(2, 3, 8))
     keys = torch.zeros(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="needs cache positions up to 6, capacity 4"):
-        rowgemm.fused_layer(torch.randn(1, 3, 16), lin, norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
+        rowgemm.fused_layer(torch.randn(1, 3, 16), rowgemm.packed_pairs(lin), norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
                             torch.tensor([3]), keys, keys.clone())

@@ -111,26 +111,41 @@ class BlockLayer(nn.Module):
         k, v = cached_linear(self.cross_kv, enc).chunk(2, dim=-1)
         return self._heads(k).contiguous(), self._heads(v).contiguous()
 
-    def _fused(self, x: Tensor) -> bool:
-        """Whether this pass runs as one call of the C++ extension
-        (:func:`fairseq_specdec.utils.rowgemm.fused_layer`): inference in
-        float32 on a CPU where the kernel runs.  Rounds a little differently
-        from the operations below: drafts may change, never a strict output."""
-        return _cpu_inference(self, x, self.self_qkv.weight) and rowgemm.fused_layer_available() and all(
-            isinstance(n, nn.LayerNorm) for n in (self.ln_self, self.ln_cross, self.ln_ffn)
-        )
+    def _fused_args(self) -> Optional[tuple]:
+        """``(weights, norms, eps)``: this layer's arguments to one call of
+        the C++ extension (:func:`fairseq_specdec.utils.rowgemm.fused_layer`;
+        the products packed), derived at the first pass of an inference scope
+        and rebuilt when a weight changes; None where the extension does not
+        compute the layer (weights not float32 on a CPU the kernel runs on,
+        norms other than affine ``nn.LayerNorm``).  The call rounds a little
+        differently from the operations of :meth:`forward`: drafts may
+        change, never a strict output."""
+        cache = self.__dict__.get("_specdec_fused_args")
+        if cache is None:
+            cache = self.__dict__["_specdec_fused_args"] = DerivedWeight(self._build_fused_args)
+        return cache.get_with(self.parameters)
+
+    def _build_fused_args(self, *weights) -> Optional[tuple]:
+        norms = (self.ln_self, self.ln_cross, self.ln_ffn)
+        if not rowgemm.fused_layer_available() or not all(isinstance(n, nn.LayerNorm) and n.weight is not None for n in norms):
+            return None
+        linears = [packed_linear(m) for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)]
+        if any(p is None for p in linears):
+            return None
+        return rowgemm.packed_pairs(linears), [(n.weight.detach(), n.bias.detach()) for n in norms], float(self.ln_self.eps)
 
     def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor]) -> Tensor:
         n, length, c = x.shape
-        if self._fused(x):
+        fused = None
+        if not self.training and not torch.is_grad_enabled() and x.dtype == torch.float32:
+            fused = self._fused_args()
+        if fused is not None:
+            weights, norms, eps = fused
             d = c // self.heads
-            linears = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
-            norms = [(ln.weight, ln.bias) for ln in (self.ln_self, self.ln_cross, self.ln_ffn)]  # no gradients here
             cross = tuple(t.reshape(n * self.heads, -1, d) for t in memory)
             pad = ~memory_mask.reshape(n, -1) if memory_mask is not None else None
             scale = 1.0 / math.sqrt(d)  # scaled_dot_product_attention's default
-            return rowgemm.fused_layer(x, [packed_linear(m) for m in linears], norms, float(self.ln_self.eps), self.heads, scale, self.heads,
-                                       scale, True, cross, pad)
+            return rowgemm.fused_layer(x, weights, norms, eps, self.heads, scale, self.heads, scale, True, cross, pad)
         p = self.dropout if self.training else 0.0
         q, k, v = cached_linear(self.self_qkv, self.ln_self(x)).chunk(3, dim=-1)
         a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v), dropout_p=p)

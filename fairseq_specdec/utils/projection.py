@@ -17,7 +17,7 @@ checked against its weight's storage, version, dtype and 16 sampled values
 inside a scope the weights are taken to be constant.
 """
 from contextlib import contextmanager
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,13 @@ class DerivedWeight:
         self._watch = WeightsWatch()
         self._epoch = None
         self._derived = None
+
+    def get_with(self, tensors: Callable[[], Sequence[Optional[Tensor]]]):
+        """:meth:`get` of the tensors ``tensors()`` lists, called only where
+        a check is due (not again within an inference scope)."""
+        if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
+            return self._derived
+        return self.get(*tensors())
 
     def get(self, *tensors: Optional[Tensor]):
         if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:

@@ -47,11 +47,15 @@ def fitting_block(weight: Tensor, k: int) -> int:
     return max(1, min(k, ROW_BLOCK - 1)) if applies_to(weight) else k
 
 
+#: whether this CPU runs the kernel (asked once: the answer cannot change)
+_SUPPORTED = _ext is not None and bool(_ext.supported())
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the kernel cannot run on this machine (None: it can)."""
     if _ext is None:
         return f"the C++ extension fairseq_specdec._rowgemm is not built ({_IMPORT_ERROR}); reinstall the plugin with a C++ compiler"
-    if not _ext.supported():
+    if not _SUPPORTED:
         return "this CPU has no AVX2/FMA instructions"
     return None
 
@@ -94,6 +98,12 @@ def packed_bias(linear: PackedLinear) -> Tensor:
     return _ext.pack_bias(torch.zeros(linear.out_features, dtype=torch.float32))
 
 
+def packed_pairs(linears) -> list:
+    """``(packed weight, packed bias)`` of each :class:`PackedLinear`: the
+    form the extension's layers take them in (made once, not per call)."""
+    return [(p.packed, packed_bias(p)) for p in linears]
+
+
 def fused_layer_available() -> bool:
     """Whether the extension has the fused decoder layer (an older build may not)."""
     return unavailable_reason() is None and hasattr(_ext, "decoder_layer")
@@ -117,7 +127,7 @@ class FusedDecoderLayer:
 
     def __init__(self, layer, qkv, sa_out, ca_q, ca_out, fc1, fc2):
         sa, ca = layer.self_attn, layer.encoder_attn
-        self.linears = (qkv, sa_out, ca_q, ca_out, fc1, fc2)
+        self.weights = packed_pairs((qkv, sa_out, ca_q, ca_out, fc1, fc2))
         norms = (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm)
         self.norms = [(n.weight.detach().float().contiguous(), n.bias.detach().float().contiguous()) for n in norms]
         self.eps = float(norms[0].eps)
@@ -131,22 +141,21 @@ class FusedDecoderLayer:
         tokens go in ``keys``/``values`` (B x heads x capacity x d, written in
         place); ``cross``: the encoder attention's (B * heads) x S x d keys
         and values; ``enc_pad``: B x S, True at padding (or None)."""
-        return fused_layer(x, self.linears, self.norms, self.eps, self.heads, self.scaling, self.c_heads,
+        return fused_layer(x, self.weights, self.norms, self.eps, self.heads, self.scaling, self.c_heads,
                            self.c_scaling, self.normalize_before, cross, enc_pad, starts, keys, values)
 
 
-def fused_layer(x: Tensor, linears, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
+def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
                 normalize_before: bool, cross: tuple, enc_pad: Optional[Tensor], starts: Optional[Tensor] = None,
                 keys: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
-    """One call of the extension's ``decoder_layer``: ``linears`` are six
-    :class:`PackedLinear` (self-attention QKV and output, encoder-attention
-    query and output, the two feed-forward products; the first feed-forward
-    product is followed by ReLU), ``norms`` three (weight, bias) pairs.  With ``keys``/``values`` (and ``starts``) self-attention is
-    causal over that cache (written in place); without, bidirectional over
-    the rows of ``x`` (B x m x C)."""
-    (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = [
-        (p.packed, packed_bias(p)) for p in linears
-    ]
+    """One call of the extension's ``decoder_layer``: ``weights`` are the
+    :func:`packed_pairs` of six :class:`PackedLinear` (self-attention QKV and
+    output, encoder-attention query and output, the two feed-forward
+    products; the first feed-forward product is followed by ReLU), ``norms``
+    three (weight, bias) pairs.  With ``keys``/``values`` (and ``starts``)
+    self-attention is causal over that cache (written in place); without,
+    bidirectional over the rows of ``x`` (B x m x C)."""
+    (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = weights
     (sl_w, sl_b), (cl_w, cl_b), (fl_w, fl_b) = norms
     if starts is None:
         starts = _NO_STARTS
@@ -185,7 +194,7 @@ class FusedEncoderLayer:
 
     def __init__(self, layer, qkv: PackedLinear, out: PackedLinear, fc1: PackedLinear, fc2: PackedLinear):
         linears = (qkv, out, fc1, fc2)
-        self.weights = [(p.packed, packed_bias(p)) for p in linears]
+        self.weights = packed_pairs(linears)
         self.norms = [(n.weight.detach().float().contiguous(), n.bias.detach().float().contiguous())
                       for n in (layer.self_attn_layer_norm, layer.final_layer_norm)]
         self.eps = float(layer.self_attn_layer_norm.eps)
