@@ -3,7 +3,7 @@ transpose, packed panels, the lean pass's layers) must be made again.
 Optimizers write through ``p.data``: no version bump, same storage."""
 import torch
 
-from fairseq_specdec.utils.projection import DerivedWeight, WeightsWatch
+from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch
 
 
 def weights():
@@ -80,3 +80,17 @@ def test_derived_weight_rebuilds_only_when_the_weight_changes():
         w.data.view(-1)[0] = 7.0
     again = derived.get(w, b)
     assert len(built) == 2 and again[0, 0].item() == 7.0
+
+
+def test_module_parameters_reads_what_parameters_reads_and_sees_a_replaced_parameter():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(4, 2, bias=False)))
+    read = ModuleParameters(net)
+    assert [id(p) for p in read()] == [id(p) for p in net.parameters()]
+    watch = WeightsWatch()
+    assert watch.changed(read())
+    assert not watch.changed(read())
+    net[2][0].weight = torch.nn.Parameter(net[2][0].weight.detach().clone())  # a new Parameter, equal values
+    assert [id(p) for p in read()] == [id(p) for p in net.parameters()]
+    assert watch.changed(read())
+    net[0].bias = None  # a parameter removed
+    assert len(read()) == 2

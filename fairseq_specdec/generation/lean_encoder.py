@@ -27,7 +27,7 @@ from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from ..utils import rowgemm
-from ..utils.projection import WeightsWatch, cat_linears
+from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears
 
 #: the encoder methods whose function the lean encoder reproduces: a
 #: subclass that overrides one of them computes something else
@@ -79,10 +79,11 @@ class LeanEncoder:
         self.encoder = encoder
         self.layers: List[rowgemm.FusedEncoderLayer] = []
         self._weights = WeightsWatch()
+        self._parameters = ModuleParameters(encoder.layers)
 
     def __call__(self, net_input) -> Dict[str, List[Tensor]]:
         encoder = self.encoder
-        if self._weights.changed(list(encoder.layers.parameters())):
+        if self._weights.changed(self._parameters()):
             self.layers = [_fused_layer(layer) for layer in encoder.layers]
         src_tokens = net_input["src_tokens"]
         padding = src_tokens.eq(encoder.padding_idx)

@@ -29,7 +29,7 @@ from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..utils import rowgemm
-from ..utils.projection import WeightsWatch, cat_linears, transposed_linear
+from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears, transposed_linear
 from ..utils.encoder_out import encoder_states
 from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
@@ -197,6 +197,7 @@ class LeanVerifier(VerifyPass):
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
         self.layers = []
         self._weights = WeightsWatch()  # the weights the layouts below were made from
+        self._layer_parameters = ModuleParameters(self.decoder.layers)
         self.keys: List[Tensor] = []
         self.values: List[Tensor] = []
         self.cross: Optional[List[tuple]] = None
@@ -222,7 +223,7 @@ class LeanVerifier(VerifyPass):
         """The weights the lean pass lays out (an optimizer's update through
         ``p.data`` changes no version counter: see
         :mod:`fairseq_specdec.utils.projection`)."""
-        weights = [p for p in self.decoder.layers.parameters()]
+        weights = self._layer_parameters()
         if self._projection is not None:
             proj = self.decoder.output_projection
             weights += [proj.weight] + ([proj.bias] if proj.bias is not None else [])

@@ -96,6 +96,21 @@ class WeightsWatch:
         return True
 
 
+class ModuleParameters:
+    """``list(module.parameters())``, read again cheaply at every call: the
+    submodules that hold parameters are found once (walking the module tree
+    costs about a microsecond a module, at every batch), and their
+    parameters are read at each call, so a replaced ``Parameter`` is seen.
+    A submodule added after construction is not: for the verify pass and
+    encoder, which lay out the layers they were built with."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._holders = [m for m in module.modules() if m._parameters]
+
+    def __call__(self) -> list:
+        return [p for m in self._holders for p in m._parameters.values() if p is not None]
+
+
 class DerivedWeight:
     """``build(*tensors)`` (a derived layout: a transpose, a packed weight, a
     table computed from several weights), rebuilt when any of the tensors it
