@@ -622,6 +622,53 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
   return out;
 }
 
+// The input rows of a verify pass: embed[tokens[b][j]] * scale, plus the
+// position row min(lengths[b] + j, P - 1) where a table is given, in that
+// order (fairseq's embed_scale * embed_tokens(tokens) + positions, in
+// float32, two roundings: never contracted into a fused multiply-add).
+// tokens: B x m (int64); lengths: B (int64); embed: V x C; positions: P x C
+// or none.  Returns B x m x C.
+__attribute__((optimize("fp-contract=off"))) torch::Tensor embed_rows(const torch::Tensor& tokens, const torch::Tensor& lengths, const torch::Tensor& embed,
+                         double scale, const c10::optional<torch::Tensor>& positions) {
+  auto is_f32 = [](const torch::Tensor& t) {
+    return t.dim() == 2 && t.scalar_type() == torch::kFloat && t.device().is_cpu() && t.is_contiguous();
+  };
+  TORCH_CHECK(is_f32(embed) && (!positions.has_value() || (is_f32(*positions) && positions->size(1) == embed.size(1) &&
+                                                          positions->size(0) > 0)),
+              "embed_rows: embed and positions must be contiguous float32 CPU tables of the same width");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong && tokens.device().is_cpu() &&
+                  tokens.is_contiguous(),
+              "embed_rows: tokens must be a contiguous B x m int64 CPU tensor");
+  const int64_t B = tokens.size(0), m = tokens.size(1), V = embed.size(0), C = embed.size(1);
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == torch::kLong &&
+                  lengths.device().is_cpu() && lengths.is_contiguous(),
+              "embed_rows: lengths must be a contiguous int64 CPU vector of B");
+  auto out = torch::empty({B, m, C}, embed.options());
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const float* em = embed.data_ptr<float>();
+  const float* pos = positions.has_value() ? positions->data_ptr<float>() : nullptr;
+  const int64_t P = positions.has_value() ? positions->size(0) : 0;
+  const float fscale = static_cast<float>(scale);
+  float* o = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t t = tok[b * m + j];
+      TORCH_CHECK(t >= 0 && t < V, "embed_rows: token ", t, " is outside the embedding of ", V);
+      const float* e = em + t * C;
+      float* row = o + (b * m + j) * C;
+      if (pos != nullptr) {
+        const int64_t at = std::min<int64_t>(std::max<int64_t>(len[b] + j, 0), P - 1);
+        const float* p = pos + at * C;
+        for (int64_t c = 0; c < C; ++c) row[c] = e[c] * fscale + p[c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) row[c] = e[c] * fscale;
+      }
+    }
+  }
+  return out;
+}
+
 // csrc/step.cpp: the tail of a strict speculative iteration in one call
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
@@ -638,6 +685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
   m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
+  m.def("embed_rows", &embed_rows, "a verify pass's input rows: scaled token embeddings plus position rows");
   m.def("strict_step", &strict_step,
         "the tail of a strict speculative iteration: fairseq's rules, running scores, greedy picks, acceptance");
 }

@@ -206,6 +206,15 @@ class LeanVerifier(VerifyPass):
         #: run the fused C++ layers where they apply (tests switch it off to
         #: compare with the layers' operations)
         self.use_fused = True
+        dec = self.decoder
+        #: the pass's input rows in one call of the extension (:meth:`_embed`):
+        #: rowgemm products and a plain embedding (no quant-noise, input
+        #: projection or embedding layer norm)
+        self._embed_rows = (
+            self.gemm == "rowgemm" and rowgemm.embed_rows_available() and dec.quant_noise is None
+            and dec.project_in_dim is None and dec.layernorm_embedding is None
+            and (self.position_table is None or self.position_table.dtype == torch.float32)
+        )
         #: the encoder as fused C++ layers (``--encoder-impl``), else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
         if encoder not in ENCODER_IMPLS:
@@ -263,6 +272,17 @@ class LeanVerifier(VerifyPass):
         if self.lean_encoder is not None and self.use_fused and not self.model.encoder.training:
             return self.lean_encoder(net_input)
         return super().encode(net_input)
+
+    def _embed(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """The base pass's input rows (fairseq's token embedding times its
+        scale, plus the position rows), in one call of the extension where
+        it applies (:func:`~fairseq_specdec.utils.rowgemm.embed_rows`: the
+        same two float32 roundings); at inference only (dropout)."""
+        weight = self.decoder.embed_tokens.weight
+        if self._embed_rows and self.use_fused and not self.decoder.training and weight.dtype == torch.float32 \
+                and weight.device.type == "cpu":
+            return rowgemm.embed_rows(tokens, lengths, weight, self.decoder.embed_scale, self.position_table)
+        return super()._embed(tokens, lengths)
 
     def _logits(self, x: Tensor) -> Tensor:
         if self.output is None:

@@ -228,6 +228,21 @@ def block_input(states: Tensor, tokens: Tensor, embed: Tensor, scale: float, fus
                             packed_bias(fuse), base.contiguous(), cuts.contiguous(), offsets.contiguous(), int(k))
 
 
+def embed_rows_available() -> bool:
+    """Whether the extension has the verify pass's input rows (an older build may not)."""
+    return _ext is not None and hasattr(_ext, "embed_rows")
+
+
+def embed_rows(tokens: Tensor, lengths: Tensor, embed: Tensor, scale: float, positions: Optional[Tensor]) -> Tensor:
+    """A verify pass's input rows in one call of the extension (``embed_rows``
+    in ``csrc/rowgemm.cpp``): ``scale * embed[tokens[b, j]]`` plus, where
+    ``positions`` (P x C) is given, its row ``min(lengths[b] + j, P - 1)``,
+    the two float32 roundings of fairseq's ``embed_scale * embed_tokens(x) +
+    positions``.  ``tokens``: B x m; ``lengths``: B.  Returns B x m x C."""
+    return _ext.embed_rows(tokens.contiguous(), lengths.contiguous(), embed.contiguous(), float(scale),
+                           None if positions is None else positions.contiguous())
+
+
 def strict_step_unavailable_reason() -> Optional[str]:
     """Why the extension's strict step cannot run here (None: it can).  It is
     plain C++ with no AVX2 code: it needs the extension, built with it."""
