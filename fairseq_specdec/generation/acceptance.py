@@ -9,6 +9,10 @@ A rule maps, for a batch of B rows and k drafted tokens,
 
 to a B x k bool tensor "draft j is acceptable at its slot".  The loop keeps the
 longest acceptable prefix and then the verifier's own token.
+
+A rule also states ``uses_draft_scores`` (it reads the drafter's log-probs)
+and ``fused`` (the extension's one-call step, ``--accept-impl fused``,
+computes it: strict acceptance only).
 """
 from typing import Optional
 

@@ -117,7 +117,7 @@ class BlockLayer(nn.Module):
         the products packed), derived at the first pass of an inference scope
         and rebuilt when a weight changes; None where the extension does not
         compute the layer (weights not float32 on a CPU the kernel runs on,
-        norms other than affine ``nn.LayerNorm``).  The call rounds a little
+        norms other than affine ``nn.LayerNorm`` with one epsilon).  The call rounds a little
         differently from the operations of :meth:`forward`: drafts may
         change, never a strict output."""
         cache = self.__dict__.get("_specdec_fused_args")
@@ -127,7 +127,7 @@ class BlockLayer(nn.Module):
 
     def _build_fused_args(self, *weights) -> Optional[tuple]:
         norms = (self.ln_self, self.ln_cross, self.ln_ffn)
-        if not rowgemm.fused_layer_available() or not all(isinstance(n, nn.LayerNorm) and n.weight is not None for n in norms):
+        if not rowgemm.fused_layer_available() or not rowgemm.fusable_norms(norms):
             return None
         linears = [packed_linear(m) for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)]
         if any(p is None for p in linears):

@@ -51,10 +51,14 @@ def fitting_block(weight: Tensor, k: int) -> int:
 _SUPPORTED = _ext is not None and bool(_ext.supported())
 
 
+def _not_built() -> str:
+    return f"the C++ extension fairseq_specdec._rowgemm is not built ({_IMPORT_ERROR}); reinstall the plugin with a C++ compiler"
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the kernel cannot run on this machine (None: it can)."""
     if _ext is None:
-        return f"the C++ extension fairseq_specdec._rowgemm is not built ({_IMPORT_ERROR}); reinstall the plugin with a C++ compiler"
+        return _not_built()
     if not _SUPPORTED:
         return "this CPU has no AVX2/FMA instructions"
     return None
@@ -247,7 +251,7 @@ def strict_step_unavailable_reason() -> Optional[str]:
     """Why the extension's strict step cannot run here (None: it can).  It is
     plain C++ with no AVX2 code: it needs the extension, built with it."""
     if _ext is None:
-        return f"the C++ extension fairseq_specdec._rowgemm is not built ({_IMPORT_ERROR}); reinstall the plugin with a C++ compiler"
+        return _not_built()
     if not hasattr(_ext, "strict_step"):
         return "the C++ extension fairseq_specdec._rowgemm was built without strict_step; reinstall the plugin"
     return None
@@ -266,5 +270,5 @@ def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, dr
     a slot the rows read has a tie for its largest log-prob plus running
     score: the tensor operations then decide it as fairseq's top-2 does."""
     *out, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(), lengths.contiguous(),
-                                 list(drafted), int(pad), int(eos), int(min_len), int(max_len))
+                                 drafted, int(pad), int(eos), int(min_len), int(max_len))
     return None if tie else tuple(out)
