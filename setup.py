@@ -43,7 +43,8 @@ if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
         ext_modules = [
             CppExtension(
                 "fairseq_specdec._rowgemm",
-                ["fairseq_specdec/csrc/rowgemm.cpp", "fairseq_specdec/csrc/step.cpp"],
+                ["fairseq_specdec/csrc/rowgemm.cpp", "fairseq_specdec/csrc/step.cpp",
+                 "fairseq_specdec/csrc/watch.cpp"],
                 extra_compile_args=["-O3"],
             )
         ]

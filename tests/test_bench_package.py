@@ -509,3 +509,21 @@ def test_limit_picks_the_same_sentences_at_every_batch_size(toy_bin, ar_checkpoi
     assert ids[1] == task.dataset("test").ordered_indices()[:10].tolist()  # batch 1 keeps the order
     assert sorted(ids[4]) == sorted(ids[1]) and sorted(ids[8]) == sorted(ids[1])
     assert len(task.dataset("test")) == H.SPLIT_SIZES["test"] > 10
+
+
+def test_profile_wraps_the_weight_checks_and_undoes_its_wrapper_even_on_failure(monkeypatch):
+    from fairseq_specdec.utils.projection import WeightsWatch
+
+    original = WeightsWatch.changed
+    seen = {}
+
+    def decode_that_fails(task, models, generator):
+        seen["wrapped"] = WeightsWatch.changed is not original
+        raise RuntimeError("decoding failed")
+
+    monkeypatch.setattr(profiling, "load_decoder", lambda spec: (None, None, None, None))
+    monkeypatch.setattr(profiling, "fairseq_decode", decode_that_fails)
+    with pytest.raises(RuntimeError, match="decoding failed"):
+        profiling.profile({}, lambda generator: [], warmup=0)
+    assert seen["wrapped"]
+    assert WeightsWatch.changed is original

@@ -78,11 +78,14 @@ def test_profile_script_profiles_loop_greedy_and_blockwise(toy_bin, ar_checkpoin
         assert mine["total"]["calls"] == 20
         parts = [r for name, r in mine.items() if name != "total" and not name.startswith("of which")]
         assert sum(r["ms_per_sentence"] for r in parts) == pytest.approx(mine["total"]["ms_per_sentence"])
+        # the weight checks: at least one a sentence (a batch), inside the timed components
+        assert mine["of which: weight checks"]["calls"] >= 20
         if decoder == "loop-greedy":
             assert not any(name.startswith(("drafter", "blockwise")) for name in mine), sorted(mine)
         else:
             assert mine["blockwise heads"]["calls"] == mine["verifier pass"]["calls"] == mine["other"]["calls"]
     assert "| loop-greedy | verifier pass" in proc.stdout
+    assert not any("weight checks" in r["component"] for r in rows if r["decoder"] == "fairseq beam 1")
 
 
 def test_profile_script_needs_a_decoder_to_profile(toy_bin, ar_checkpoint):

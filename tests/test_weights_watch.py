@@ -1,9 +1,25 @@
 """WeightsWatch: the check that decides when a cached weight layout (a
 transpose, packed panels, the lean pass's layers) must be made again.
 Optimizers write through ``p.data``: no version bump, same storage."""
+import pytest
 import torch
 
+from fairseq_specdec.utils import rowgemm
 from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch
+
+# every test runs with the extension's signatures (csrc/watch.cpp) and with the tensor operations
+IMPLS = [pytest.param(True, id="extension",
+                      marks=pytest.mark.skipif(not rowgemm.SIGNATURES, reason="the C++ extension is not built")),
+         pytest.param(False, id="tensor-ops")]
+
+
+@pytest.fixture(params=IMPLS)
+def make_watch(request):
+    def make():
+        watch = WeightsWatch(use_extension=request.param)
+        assert watch.use_extension == request.param
+        return watch
+    return make
 
 
 def weights():
@@ -11,17 +27,17 @@ def weights():
     return [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30))]
 
 
-def test_first_look_is_a_change_and_an_unchanged_list_is_not():
+def test_first_look_is_a_change_and_an_unchanged_list_is_not(make_watch):
     w = weights()
-    watch = WeightsWatch()
+    watch = make_watch()
     assert watch.changed(w) and watch.generation == 1
     assert not watch.changed(w) and not watch.changed(w)
     assert watch.generation == 1
 
 
-def test_in_place_writes_through_data_are_seen_at_a_sampled_element():
+def test_in_place_writes_through_data_are_seen_at_a_sampled_element(make_watch):
     w = weights()
-    watch = WeightsWatch()
+    watch = make_watch()
     watch.changed(w)
     version = w[0]._version
     with torch.no_grad():
@@ -34,9 +50,9 @@ def test_in_place_writes_through_data_are_seen_at_a_sampled_element():
     assert watch.changed(w)
 
 
-def test_a_new_storage_dtype_or_shape_is_seen():
+def test_a_new_storage_dtype_or_shape_is_seen(make_watch):
     w = weights()
-    watch = WeightsWatch()
+    watch = make_watch()
     watch.changed(w)
     w[0].data = w[0].data.clone()  # same values, another storage
     assert watch.changed(w)
@@ -49,20 +65,53 @@ def test_a_new_storage_dtype_or_shape_is_seen():
     assert not watch.changed([])
 
 
-def test_a_non_contiguous_weight_is_read_afresh():
+def test_every_sampled_element_is_compared_and_an_unsampled_one_is_not(make_watch):
+    w = weights()  # 1200 and 30 elements: samples every 75th and every element of the first 16
+    watch = make_watch()
+    watch.changed(w)
+    with torch.no_grad():
+        w[0].data.view(-1)[75 * 15] = 123.0  # the last sample
+    assert watch.changed(w)
+    with torch.no_grad():
+        w[1].data[15] = -5.0  # the bias's 16th element, its last sample
+    assert watch.changed(w)
+    with torch.no_grad():
+        w[1].data[16] = -5.0  # not sampled: the watch's stated limit
+        w[0].data.view(-1)[1] = -5.0
+    assert not watch.changed(w)
+
+
+def test_the_extension_compares_cpu_lists_and_the_tensor_operations_the_rest():
+    if not rowgemm.SIGNATURES:
+        pytest.skip("the C++ extension is not built")
+    w = weights()
+    watch = WeightsWatch()
+    watch.changed(w)
+    assert watch._signature is not None  # the extension's look
+    mixed = w + [torch.randn(30, 40).t()]  # a non-contiguous weight: tensor operations
+    assert watch.changed(mixed)
+    assert watch._signature is None
+    assert not watch.changed(mixed)
+    mixed[2][0, 0] += 1.0
+    assert watch.changed(mixed)
+    assert watch.changed(w)  # back to the extension: a change, whatever the values
+    assert watch._signature is not None and not watch.changed(w)
+
+
+def test_a_non_contiguous_weight_is_read_afresh(make_watch):
     base = torch.randn(30, 40)
     w = [base.t()]  # a transposed view: its sampled values are a copy, read at each look
-    watch = WeightsWatch()
+    watch = make_watch()
     watch.changed(w)
     base[0, 0] += 1.0  # w[0][0, 0]
     assert watch.changed(w)
     assert not watch.changed(w)
 
 
-def test_inference_tensors_are_watched_outside_inference_mode():
+def test_inference_tensors_are_watched_outside_inference_mode(make_watch):
     with torch.inference_mode():
         w = [torch.randn(40, 30)]
-    watch = WeightsWatch()
+    watch = make_watch()
     assert watch.changed(w)
     assert not watch.changed(w)
     with torch.inference_mode():
@@ -82,11 +131,11 @@ def test_derived_weight_rebuilds_only_when_the_weight_changes():
     assert len(built) == 2 and again[0, 0].item() == 7.0
 
 
-def test_module_parameters_reads_what_parameters_reads_and_sees_a_replaced_parameter():
+def test_module_parameters_reads_what_parameters_reads_and_sees_a_replaced_parameter(make_watch):
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(4, 2, bias=False)))
     read = ModuleParameters(net)
     assert [id(p) for p in read()] == [id(p) for p in net.parameters()]
-    watch = WeightsWatch()
+    watch = make_watch()
     assert watch.changed(read())
     assert not watch.changed(read())
     net[2][0].weight = torch.nn.Parameter(net[2][0].weight.detach().clone())  # a new Parameter, equal values

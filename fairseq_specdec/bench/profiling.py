@@ -21,7 +21,10 @@ given.  Each component is timed around its call:
 
 "other" is the decoder's total time minus its timed components.  Rows
 marked "of which" are parts of the row above them (the vocabulary
-projections) and are not subtracted twice.  A component whose method does
+projections) and are not subtracted twice; so is the row of the weight
+checks (``WeightsWatch.changed``: whether the cached weight layouts are
+current), made inside the encoder, the first verify pass of a batch and the
+drafter's calls.  A component whose method does
 not exist, or that the decoder never called (renamed in the generator), stops
 the profile with its name, rather than leaving its time in "other" (only the
 KV-cache rollback and row removal may go uncalled).
@@ -42,6 +45,7 @@ from collections import defaultdict
 from ..generation.drafters import BlockwiseHeadsDrafter, NoDrafter
 from ..generation.ngram import NgramDrafter
 from ..models.protocol import VerifierStateDrafterModel
+from ..utils.projection import WeightsWatch
 from .loading import load_decoder
 from .timing import fairseq_decode, timed_batches, warm_up
 
@@ -104,19 +108,28 @@ def profile(spec, components, warmup: int):
     timers = Timers()
     for component in components(generator):
         timers.wrap(*component)
-    decode = fairseq_decode(task, models, generator)
-    warm_up(batches, decode, warmup)
-    timers.enabled = True
-    total, sentences, tokens = 0.0, 0, 0
-    for _, out, ms in timed_batches(batches, decode):
-        total += ms
-        sentences += len(out)
-        tokens += sum(len(hyps[0]["tokens"]) for hyps in out)
+    # the check that cached weight layouts are current, wherever a component makes it (class-wide, undone below)
+    changed = WeightsWatch.changed
+    timers.wrap(WeightsWatch, "changed", WEIGHT_CHECKS, required=False)
+    try:
+        decode = fairseq_decode(task, models, generator)
+        warm_up(batches, decode, warmup)
+        timers.enabled = True
+        total, sentences, tokens = 0.0, 0, 0
+        for _, out, ms in timed_batches(batches, decode):
+            total += ms
+            sentences += len(out)
+            tokens += sum(len(hyps[0]["tokens"]) for hyps in out)
+    finally:
+        WeightsWatch.changed = changed
     timers.check_called()
     return total, sentences, tokens, timers
 
 
 SUB = "of which: "
+#: the weight checks' row: part of the components whose calls make them (the encoder, the first verify pass of a
+#: batch, a drafter's start of batch or pass)
+WEIGHT_CHECKS = f"{SUB}weight checks (WeightsWatch, inside the rows above)"
 
 
 def greedy_components(generator):

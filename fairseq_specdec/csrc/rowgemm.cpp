@@ -674,6 +674,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> str
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
     const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len);
 
+// csrc/watch.cpp: the signature of a list of weights
+at::Tensor weights_signature(const std::vector<at::Tensor>& weights);
+int64_t same_signature(const std::vector<at::Tensor>& weights, const at::Tensor& signature);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -688,4 +692,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embed_rows", &embed_rows, "a verify pass's input rows: scaled token embeddings plus position rows");
   m.def("strict_step", &strict_step,
         "the tail of a strict speculative iteration: fairseq's rules, running scores, greedy picks, acceptance");
+  m.def("weights_signature", &weights_signature,
+        "a list of CPU weights' addresses, versions, dtypes, shapes and sampled elements (None: a weight has none)");
+  m.def("same_signature", &same_signature, "1: the weights have this signature, 0: another, -1: a weight has none");
 }

@@ -272,3 +272,22 @@ def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, dr
     *out, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(), lengths.contiguous(),
                                  drafted, int(pad), int(eos), int(min_len), int(max_len))
     return None if tie else tuple(out)
+
+
+#: whether the extension computes weight signatures (:class:`~fairseq_specdec.utils.projection.WeightsWatch`)
+SIGNATURES = _ext is not None and hasattr(_ext, "weights_signature")
+
+
+def weights_signature(weights: List[Tensor]) -> Optional[Tensor]:
+    """The signature of a list of weights that :class:`~fairseq_specdec.utils.projection.WeightsWatch`
+    compares (``csrc/watch.cpp``: each weight's address, version, dtype,
+    shape and 16 sampled elements), as an int64 tensor; None where the
+    extension is not built or a weight has none (not a contiguous CPU
+    tensor)."""
+    return _ext.weights_signature(weights) if SIGNATURES else None
+
+
+def same_signature(weights: List[Tensor], signature: Tensor) -> int:
+    """1: ``weights`` have ``signature`` (:func:`weights_signature`); 0: they
+    have another one; -1: a weight has none."""
+    return _ext.same_signature(weights, signature)
