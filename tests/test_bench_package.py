@@ -401,11 +401,16 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
         "--verifier", ar_checkpoint, "--limit", "8", "--rounds", "2",
         "--row", "beam1=--decoding autoregressive",
         "--row", f"loop-greedy=--path {ar_checkpoint} --decoding loop-greedy --verify-gemm torch",
-        "--row", "beam2=--decoding autoregressive --beam 2", "--json", out,
+        "--row", "beam2=--decoding autoregressive --beam 2",
+        "--row", "copy=--decoding input-guided --verify-gemm torch", "--json", out,
     ])
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    assert result["sentences"] == 8 and list(rows) == ["beam1", "loop-greedy", "beam2"]
+    assert result["sentences"] == 8 and list(rows) == ["beam1", "loop-greedy", "beam2", "copy"]
+    # Tok.: one token per iteration for greedy, at least one with drafts, none for fairseq's decoders
+    assert rows["loop-greedy"]["tok"] == 1.0 and rows["copy"]["tok"] >= 1.0
+    assert rows["beam1"]["tok"] is None and rows["beam2"]["tok"] is None
+    assert rows["copy"]["identical"] == 8
     assert rows["beam1"]["speedup"] == 1.0
     assert rows["loop-greedy"]["identical"] == 8 and rows["loop-greedy"]["options"].startswith("--path ")
     assert all(len(r["rounds_ms"]) == 2 and min(r["rounds_ms"]) == r["ms_per_sentence"] for r in rows.values())

@@ -7,7 +7,10 @@ the row's own fairseq-generate options; all of them are loaded first, then
 each round decodes the same sentences with every row in turn, so a slow
 minute of the machine hits every row alike.  A row's time is its fastest
 round (ms per sentence); ratios are against the first row, and every row's
-output is compared with the first row's, sentence by sentence.
+output is compared with the first row's, sentence by sentence.  A row
+decoded by the plugin's loop also reports its Tok. (output tokens, EOS
+included, per iteration, from the generator's statistics over one round);
+fairseq's own decoders leave the column empty.
 
 Example (the `make demo` models)::
 
@@ -23,7 +26,7 @@ import shlex
 import sys
 import time
 import warnings
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 
 def parse_row(text: str) -> Dict:
@@ -104,10 +107,13 @@ def main(argv=None) -> int:
         print(f"loaded {row['name']}", file=sys.stderr, flush=True)
 
     times: Dict[str, List[float]] = {r["name"]: [] for r in rows}
+    tok: Dict[str, Optional[float]] = {}
     outputs: Dict[str, Dict[int, List[int]]] = {}
     for round_ in range(args.rounds):
         for row, task, models, generator, data in loaded:
             hyps, sentences = {}, 0
+            stats = getattr(generator, "stats", None)  # the plugin's loop: SpecDecStats
+            before = (stats.tokens, stats.iterations) if stats is not None else None
             t0 = time.perf_counter()
             for sample in data:
                 out = task.inference_step(generator, models, sample)
@@ -115,6 +121,9 @@ def main(argv=None) -> int:
                     hyps[sid] = h[0]["tokens"].tolist()
                 sentences += len(out)
             times[row["name"]].append((time.perf_counter() - t0) / max(1, sentences) * 1e3)
+            if before is not None:
+                iterations = stats.iterations - before[1]
+                tok[row["name"]] = (stats.tokens - before[0]) / iterations if iterations else None
             outputs[row["name"]] = hyps
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
@@ -122,15 +131,18 @@ def main(argv=None) -> int:
     base = min(times[first])
     result = {"sentences": len(outputs[first]), "batch_size": args.batch_size, "rounds": args.rounds,
               "threads": args.threads, "rows": []}
-    lines = [f"| decoder | ms/sentence | vs {first} | identical to {first} | rounds (ms/sentence) |", "|---|---|---|---|---|"]
+    lines = [f"| decoder | ms/sentence | vs {first} | Tok. | identical to {first} | rounds (ms/sentence) |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         name = row["name"]
         best = min(times[name])
         same = sum(outputs[name][i] == outputs[first][i] for i in outputs[first])
         result["rows"].append({"name": name, "options": " ".join(([f"--path {row['path']}"] if row["path"] else []) + row["extra"]),
                                "ms_per_sentence": round(best, 3), "speedup": round(base / best, 3),
+                               "tok": None if tok.get(name) is None else round(tok[name], 3),
                                "identical": same, "rounds_ms": [round(t, 3) for t in times[name]]})
-        lines.append(f"| {name} | {best:.2f} | {base / best:.2f}x | {same}/{len(outputs[first])} | "
+        tok_cell = "" if tok.get(name) is None else f"{tok[name]:.2f}"
+        lines.append(f"| {name} | {best:.2f} | {base / best:.2f}x | {tok_cell} | {same}/{len(outputs[first])} | "
                      f"{' '.join(f'{t:.2f}' for t in times[name])} |")
     print("\n".join(lines))
     if args.json:
