@@ -103,7 +103,9 @@ fi
 : "${VSD_UPDATES:=1000}"       # an update costs about 40% of the paper drafter's (0.55 vs 0.12-0.25 updates/s side by side), so 1000 fit the drafter stage's time
 # VSD_UPDATES=2000 is measurably better (docs/results, commit 065e16c: validation block_acc
 # 31.7 -> 38.0, Tok. 1.97 -> 2.22, strict 1.43x -> 1.50x of --beam 1) for about
-# 17 more minutes of one core; the default keeps the demo's time
+# 17 more minutes of one core; the default keeps the demo's time.  VSD_UPDATES=4000
+# (docs/results/2026-11-25-53c1679-vsd-training-length.md): Tok. 1.86 -> 2.20, strict
+# 0.80x -> 0.91x of the plugin's greedy loop, for 28 more minutes on 2 threads
 : "${VSD_MAX_MINUTES:=90}"         # beside the blockwise heads: 1000 updates in 38 minutes (2026-11-23)
 : "${VSD_CUTS:=2}"          # 4 cuts at --max-tokens 4096 cost 4x per update (0.07 vs 0.12 updates/s of the paper drafter, 3 trainings on 2 cores)
 VSD_ARGS=(
