@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")  # hydra and torch deprecation notes, not results
     from .loading import load_decoder
+    from .timing import reset_statistics
 
     loaded = []
     for row in rows:
@@ -112,8 +113,7 @@ def main(argv=None) -> int:
     for round_ in range(args.rounds):
         for row, task, models, generator, data in loaded:
             hyps, sentences = {}, 0
-            stats = getattr(generator, "stats", None)  # the plugin's loop: SpecDecStats
-            before = (stats.tokens, stats.iterations) if stats is not None else None
+            reset_statistics(generator)  # the plugin's loop: Tok. of this round only
             t0 = time.perf_counter()
             for sample in data:
                 out = task.inference_step(generator, models, sample)
@@ -121,9 +121,8 @@ def main(argv=None) -> int:
                     hyps[sid] = h[0]["tokens"].tolist()
                 sentences += len(out)
             times[row["name"]].append((time.perf_counter() - t0) / max(1, sentences) * 1e3)
-            if before is not None:
-                iterations = stats.iterations - before[1]
-                tok[row["name"]] = (stats.tokens - before[0]) / iterations if iterations else None
+            stats = getattr(generator, "stats", None)
+            tok[row["name"]] = stats.mean_accepted if stats is not None and stats.iterations else None
             outputs[row["name"]] = hyps
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
