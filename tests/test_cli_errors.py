@@ -212,6 +212,7 @@ SPECULATIVE_UNDER_AUTOREGRESSIVE = [
     (["--verify-tau", "1"], "--verify-tau"),
     (["--adaptive-draft"], "--adaptive-draft"),
     (["--verify-gemm", "torch"], "--verify-gemm"),
+    (["--draft-precision", "float32"], "--draft-precision"),
 ]
 
 
@@ -370,3 +371,25 @@ def test_errors_doc_lists_every_option_refused_under_autoregressive():
     section = section.split("\n## ", 1)[0]
     listed = set(re.findall(r"`(--[a-z-]+)`", section)) - {"--path"}
     assert listed == {"--" + name.replace("_", "-") for name, _ in DraftVerifyTask.SPECULATIVE_OPTIONS}
+
+
+def test_vsd_draft_precision_reaches_the_drafter(toy_bin, untrained_verifier, untrained_vsd):
+    """--draft-precision picks the element type of the specdec_vsd drafter's
+    packed weights (auto: bfloat16 where the kernel runs with them)."""
+    from fairseq_specdec.utils import rowgemm
+
+    verifier = untrained_verifier[0]
+    auto = "bfloat16" if rowgemm.bfloat16_available() else "float32"
+    assert build(toy_bin, [verifier, untrained_vsd], *DV).drafter.precision == auto
+    assert build(toy_bin, [verifier, untrained_vsd], *DV, "--draft-precision", "float32").drafter.precision == "float32"
+    if rowgemm.bfloat16_available():
+        generator = build(toy_bin, [verifier, untrained_vsd], *DV, "--draft-precision", "bfloat16")
+        assert generator.drafter.precision == "bfloat16"
+
+
+@pytest.mark.parametrize("decoding", ["ngram", "loop-greedy", "input-guided"])
+def test_draft_precision_bfloat16_without_packed_drafter_weights_is_refused(toy_bin, untrained_verifier, decoding):
+    """A drafter that reads no packed weights has nothing to round: an
+    explicit bfloat16 is refused, naming the option and the decoding."""
+    with pytest.raises(ValueError, match=f"--draft-precision bfloat16: the drafter of --decoding {decoding} .* drop the option"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", decoding, "--draft-precision", "bfloat16")

@@ -10,6 +10,7 @@
 * it is built by the install (a silent fallback to torch would hide a broken
   build), and it refuses what it cannot compute, by name.
 """
+import math
 import os
 
 import pytest
@@ -114,7 +115,7 @@ def test_fused_block_layer_computes_the_block_layers_operations(masked, monkeypa
         fused = layer(x, memory, mask)
         # a build without the fused layer (decided once per layer: the build cannot change)
         monkeypatch.setattr(rowgemm, "fused_layer_available", lambda: False)
-        layer.__dict__.pop("_specdec_fused_args")
+        layer.__dict__.pop("_specdec_fused_args_float32")
         assert layer._fused_args() is None
         ops = layer(x, memory, mask)
     assert torch.allclose(fused, ops, atol=2e-5, rtol=1e-4), (fused - ops).abs().max()
@@ -137,3 +138,101 @@ def test_fused_layer_refuses_a_cache_too_small_by_name():
     with pytest.raises(RuntimeError, match="needs cache positions up to 6, capacity 4"):
         rowgemm.fused_layer(torch.randn(1, 3, 16), rowgemm.packed_pairs(lin), norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
                             torch.tensor([3]), keys, keys.clone())
+
+
+@pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
+@pytest.mark.parametrize("shape", [(7, 5, 1), (100, 64, 4), (200, 96, 3), (41, 130, 9)])
+def test_bfloat16_panels_compute_with_the_weight_rounded_to_bfloat16(shape):
+    """A weight packed in bfloat16 gives bitwise what the float32 panels of
+    the same weight rounded to bfloat16 (torch's round to nearest even)
+    give: the kernel widens each element exactly and sums in the same
+    order; a row's result does not depend on the other rows; the rounding
+    happens (the float32 weight's result differs); bias and ReLU apply."""
+    n, k, m = shape
+    torch.manual_seed(n)
+    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
+    rounded = weight.to(torch.bfloat16).float()
+    for activation in (None, "relu"):
+        half = rowgemm.PackedLinear(weight, bias, activation, precision="bfloat16")
+        assert half.packed.dtype == torch.bfloat16
+        assert half.packed.element_size() * half.packed.numel() * 2 == rowgemm.PackedLinear(weight).packed.numel() * 4
+        got = half(x)
+        assert torch.equal(got, rowgemm.PackedLinear(rounded, bias, activation)(x))
+        assert torch.equal(got, torch.cat([half(x[i : i + 1]) for i in range(m)]))
+        reference = F.linear(x.double(), rounded.double(), bias.double())
+        if activation:
+            reference = reference.clamp(min=0)
+        torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-4)
+        if k > 8:
+            assert not torch.equal(got, rowgemm.PackedLinear(weight, bias, activation)(x))
+
+
+def test_packed_linear_refuses_an_unknown_precision():
+    if rowgemm.unavailable_reason() is not None:
+        pytest.skip(rowgemm.unavailable_reason())
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got 'float16'"):
+        rowgemm.PackedLinear(torch.randn(8, 8), precision="float16")
+
+
+@pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
+def test_fused_block_layer_with_bfloat16_panels_is_the_layer_of_rounded_weights():
+    """The drafter's fused block layer in bfloat16 computes bitwise what the
+    float32 layer computes after its six packed products' weights are
+    rounded to bfloat16 (biases and norms stay float32); the float32 and
+    bfloat16 packs are kept side by side, each rebuilt when a weight changes."""
+    import copy
+
+    from fairseq_specdec.models.specdec_vsd import BlockLayer
+
+    torch.manual_seed(1)
+    layer = BlockLayer(64, 4, 96, dropout=0.0).eval()
+    rounded = copy.deepcopy(layer)
+    with torch.no_grad():
+        for name in ("self_qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2"):
+            w = getattr(rounded, name).weight
+            w.copy_(w.to(torch.bfloat16).float())
+        x, enc = torch.randn(2, 4, 64), torch.randn(2, 6, 64)
+        memory = layer.memory(enc)
+        mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        half = layer(x, memory, mask, "bfloat16")
+        assert torch.equal(half, rounded(x, memory, mask, "float32"))
+        full = layer(x, memory, mask)
+        assert not torch.equal(half, full)
+        torch.testing.assert_close(half, full, rtol=0.05, atol=0.05)
+        layer.fc2.weight.mul_(2.0)  # an in-place change reaches both packs
+        rounded.fc2.weight.mul_(2.0)
+        assert torch.equal(layer(x, memory, mask, "bfloat16"), rounded(x, memory, mask, "float32"))
+        assert not torch.equal(layer(x, memory, mask), full)
+
+
+@pytest.mark.skipif(rowgemm.unavailable_reason() is not None or not rowgemm.draft_pick_available(),
+                    reason="the kernel or its draft_pick is not available")
+@pytest.mark.parametrize("precision", rowgemm.PRECISIONS)
+def test_draft_pick_is_log_softmax_max_of_the_projection(precision):
+    """The drafter's one-call pick: per row the first largest logit of the
+    packed columns plus the extra columns plus the bias, and its log-softmax
+    value, as torch computes them from the same (rounded) weight; a -inf bias
+    never wins; an extra column can win; rows of any leading shape."""
+    torch.manual_seed(4)
+    weight, extra_t, bias = torch.randn(300, 48) * 0.3, torch.randn(48, 5) * 0.3, torch.randn(305)
+    x = torch.randn(2, 3, 48)
+    packed = rowgemm.PackedLinear(weight, precision=precision)
+    used = weight.to(torch.bfloat16).float() if precision == "bfloat16" else weight
+    logits = torch.cat([F.linear(x, used), x @ extra_t], -1) + bias
+    top = logits.argmax(-1)
+    bias[top[0, 0]] = -math.inf  # the first row's winner is ruled out
+    bias[300 + 2] = 50.0  # an extra column wins where nothing else is ruled out
+    logits = torch.cat([F.linear(x, used), x @ extra_t], -1) + bias
+    expected_lp, expected = torch.log_softmax(logits, -1).max(-1)
+    best, lprob = rowgemm.draft_pick(x, packed, extra_t, bias)
+    assert best.shape == lprob.shape == (2, 3) and best.dtype == torch.long
+    assert torch.equal(best, expected) and (best == 302).all()
+    torch.testing.assert_close(lprob, expected_lp, rtol=1e-5, atol=1e-5)
+    # no extra columns, and a spread-out softmax (every exp term counts)
+    best, lprob = rowgemm.draft_pick(x * 0.01, packed, None, torch.zeros(300))
+    expected_lp, expected = torch.log_softmax(F.linear(x * 0.01, used), -1).max(-1)
+    assert torch.equal(best, expected)
+    torch.testing.assert_close(lprob, expected_lp, rtol=1e-5, atol=1e-5)
+    assert lprob.max() < -5.0  # about log(1 / 300)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 CPU vector of n_base \\+ E = 305"):
+        rowgemm.draft_pick(x, packed, extra_t, torch.zeros(300))

@@ -220,3 +220,106 @@ def test_decoding_builds_its_input_rows_in_one_call_of_the_extension(monkeypatch
     with torch.enable_grad():  # training keeps the operations (gradients)
         model.block_states(table, ctx_states, ctx_tokens, torch.tensor([0, 3]), None, 2)
     assert len(calls) == 3
+
+
+@pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
+def test_bfloat16_drafting_pass_reads_the_weights_rounded_to_bfloat16():
+    """A decoding pass with precision bfloat16 gives bitwise the float32
+    pass of a model whose packed products' weights (the fuse product and
+    the block layers' six) are rounded to bfloat16; the other weights (the
+    memory's projection, the tables) are unchanged; the float32 pass of the
+    same model is kept apart (not rounded)."""
+    import copy
+
+    model, encoder_out = _random_vsd_model()
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        linears = [rounded.fuse] + [getattr(layer, name) for layer in rounded.layers
+                                    for name in ("self_qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2")]
+        for linear in linears:
+            linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
+        ctx_states, ctx_tokens, cuts = torch.randn(2, 32), torch.tensor([5, 9]), torch.tensor([0, 3])
+        table = model.source_memory(encoder_out, positions=30)
+        rounded_table = rounded.source_memory(encoder_out, positions=30)
+        for name in ("copy_base", "mask"):
+            assert torch.equal(table[name], rounded_table[name])
+        half = model.block_states(table, ctx_states, ctx_tokens, cuts, None, 3, "bfloat16")
+        assert torch.equal(half, rounded.block_states(rounded_table, ctx_states, ctx_tokens, cuts, None, 3, "float32"))
+        full = model.block_states(table, ctx_states, ctx_tokens, cuts, None, 3)
+        assert not torch.equal(half, full)
+        assert torch.equal(full, model.block_states(table, ctx_states, ctx_tokens, cuts, None, 3, "float32"))
+
+
+@pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
+def test_shortlist_projection_in_bfloat16_projects_with_the_rounded_weight():
+    """The drafter's output projection onto the shortlist in bfloat16 is
+    bitwise the float32 projection of the rounded weight, source types
+    outside the shortlist included (those stay float32 products)."""
+    from fairseq_specdec.generation.drafters import ShortlistProjection
+
+    torch.manual_seed(2)
+    weight = torch.randn(50, 32)
+    rounded = weight.clone()
+    rounded[:20] = weight[:20].to(torch.bfloat16).float()  # the 20 frequent types are packed
+    src = torch.tensor([[3, 30, 44, 1]])
+    x = torch.randn(1, 3, 32)
+    half, full = ShortlistProjection(20, 50, True, (1,), "bfloat16"), ShortlistProjection(20, 50, True, (1,))
+    half.start_batch(weight, None, src)
+    full.start_batch(rounded, None, src)
+    assert torch.equal(half.vocab, full.vocab) and half.vocab.tolist()[20:] == [30, 44]
+    assert torch.equal(half(x), full(x))
+
+
+def test_draft_precision_resolves_auto_and_refuses_what_cannot_apply(toy_bin):
+    """--draft-precision: auto is bfloat16 for a specdec_vsd drafter where the
+    kernel runs with bfloat16 panels, float32 elsewhere; bfloat16 for a
+    drafter the kernel does not compute is refused with the option's name."""
+    import torch.nn as nn
+
+    from fairseq_specdec.generation.drafters import draft_precision
+    from fairseq_specdec.models.protocol import SourceReadingDrafterModel
+
+    model, _ = _random_vsd_model()
+    expected = "bfloat16" if rowgemm.bfloat16_available() else "float32"
+    assert draft_precision("auto", model) == expected
+    assert draft_precision("float32", model) == "float32"
+    with pytest.raises(ValueError, match="--draft-precision must be one of auto, float32, bfloat16, got 'half'"):
+        draft_precision("half", model)
+
+    class NatLike(nn.Module, SourceReadingDrafterModel):
+        pass
+
+    assert draft_precision("auto", NatLike()) == "float32"
+    with pytest.raises(ValueError, match="--draft-precision bfloat16 applies to specdec_vsd drafters .* NatLike"):
+        draft_precision("bfloat16", NatLike())
+    if rowgemm.unavailable_reason() is None:
+        with pytest.raises(ValueError, match="--draft-precision bfloat16 .* not float32 on the CPU"):
+            draft_precision("bfloat16", model.double())
+
+
+@pytest.mark.skipif(not rowgemm.draft_pick_available(), reason="the kernel or its draft_pick is not available")
+def test_shortlist_pick_in_one_call_matches_log_softmax_max(monkeypatch):
+    """The drafter's pick through the extension gives the types and
+    log-probs of log_softmax + max over the projection (the source types
+    outside the shortlist included, BOS and padding never picked), and the
+    torch path is taken where the call is not available."""
+    from fairseq_specdec.generation.drafters import ShortlistProjection
+
+    torch.manual_seed(5)
+    weight = torch.randn(60, 32) * 0.5
+    src = torch.tensor([[3, 30, 44, 57]])
+    projection = ShortlistProjection(25, 60, True, (0, 1))
+    projection.start_batch(weight, None, src)
+    x = torch.randn(4, 3, 32)
+    x[0, 0] = weight[44] * 3  # a source type outside the shortlist wins
+    x[0, 1] = weight[1] * 3  # BOS would win, but never may
+    types, lprobs = projection.pick(x)
+    expected_lp, best = torch.log_softmax(projection(x), -1).max(-1)
+    assert torch.equal(types, projection.types(best))
+    assert types[0, 0] == 44 and types[0, 1] != 1
+    torch.testing.assert_close(lprobs, expected_lp, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(rowgemm, "draft_pick", lambda *a: pytest.fail("the torch path was expected"))
+    monkeypatch.setattr(rowgemm, "draft_pick_available", lambda: False)
+    types2, lprobs2 = projection.pick(x)
+    assert torch.equal(types2, types)
+    torch.testing.assert_close(lprobs2, lprobs, rtol=1e-5, atol=1e-5)

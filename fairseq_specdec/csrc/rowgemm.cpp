@@ -19,9 +19,17 @@
 // row's result is the same in a pass of 1, 4 or 128 rows (unlike a BLAS,
 // whose summation order follows its shape-dependent kernel).  It is not
 // bitwise the BLAS result: the plugin measures what that changes.
+//
+// Panels may also be packed in bfloat16 (pack_bf16: each weight rounded to
+// the nearest bfloat16, ties to even), half the bytes to stream; a block then
+// widens each loaded element exactly to float32 and the contract above holds
+// with W replaced by its rounded copy.  For drafters only: a draft that
+// rounds differently is at most rejected, while the verifier's products
+// always read float32 panels.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -56,23 +64,36 @@ bool cpu_supported() {
 // passes, and without it a pass of 4 rows waited for memory and computed in
 // turn.  (Into L1 instead, a block of large K evicts the lines in use.)  A
 // prefetch never faults and changes no result.
-template <int R, int NV>
+// one k-step of a panel: 8 weights widened to float32
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const float* w) {
+  return _mm256_loadu_ps(w);
+}
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const uint16_t* w) {
+  // a bfloat16 is the high half of the float32 with the same bits: exact
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int R, int NV, typename WT>
 __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
-    const float* xt, int64_t K, const float* w, int64_t panel_stride, const float* bias, int activation,
-    float* y, int64_t ldy, int64_t ncols, const float* next) {
+    const float* xt, int64_t K, const WT* w, int64_t panel_stride, const float* bias, int activation,
+    float* y, int64_t ldy, int64_t ncols, const WT* next) {
+  // k-steps per 64-byte line of a panel, and elements per line
+  constexpr int64_t kStepsPerLine = 64 / (kLanes * sizeof(WT));
+  constexpr int64_t kLineElems = 64 / sizeof(WT);
   __m256 acc[R * NV];
 #pragma GCC unroll 16
   for (int a = 0; a < R * NV; ++a) acc[a] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr && (k & 1) == 0) {
-      // 2 k-steps of NV panels = NV cache lines of the next block
-      const char* line = reinterpret_cast<const char*>(next + (k >> 1) * NV * 16);
+    if (next != nullptr && (k % kStepsPerLine) == 0) {
+      // kStepsPerLine k-steps of NV panels = NV cache lines of the next block
+      const char* line = reinterpret_cast<const char*>(next + (k / kStepsPerLine) * NV * kLineElems);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) _mm_prefetch(line + v * 64, _MM_HINT_T1);
     }
     __m256 wv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(w + v * panel_stride + k * kLanes);
+    for (int v = 0; v < NV; ++v) wv[v] = load_lanes(w + v * panel_stride + k * kLanes);
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const __m256 xb = _mm256_broadcast_ss(xt + k * R + i);
@@ -93,29 +114,30 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * NV * kLanes, n * sizeof(float));
 }
 
-template <int R, int NV>
+template <int R, int NV, typename WT>
 __attribute__((target("avx2,fma"))) void block(
-    const float* xt, int64_t K, const float* w, int64_t panel_stride, const float* bias, int activation,
-    float* y, int64_t ldy, int64_t ncols, const float* next) {
-  block_impl<R, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next);
+    const float* xt, int64_t K, const WT* w, int64_t panel_stride, const float* bias, int activation,
+    float* y, int64_t ldy, int64_t ncols, const WT* next) {
+  block_impl<R, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next);
 }
 
-template <int NV>
-void rows_block(int rows, const float* xt, int64_t K, const float* w, int64_t panel_stride, const float* bias,
-                int activation, float* y, int64_t ldy, int64_t ncols, const float* next) {
+template <int NV, typename WT>
+void rows_block(int rows, const float* xt, int64_t K, const WT* w, int64_t panel_stride, const float* bias,
+                int activation, float* y, int64_t ldy, int64_t ncols, const WT* next) {
   switch (rows) {
-    case 1: block<1, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
-    case 2: block<2, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
-    case 3: block<3, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
-    default: block<4, NV>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    case 1: block<1, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    case 2: block<2, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    case 3: block<3, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    default: block<4, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
   }
 }
 #endif
 
 void check_packed(const torch::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes, "rowgemm: packed weight must be [panels][K][8]");
-  TORCH_CHECK(packed.scalar_type() == torch::kFloat && packed.is_contiguous() && packed.device().is_cpu(),
-              "rowgemm: packed weight must be a contiguous float32 CPU tensor");
+  TORCH_CHECK((packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16) &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "rowgemm: packed weight must be a contiguous float32 or bfloat16 CPU tensor");
   TORCH_CHECK(packed.size(0) == (out_features + kLanes - 1) / kLanes, "rowgemm: packed weight has the wrong panel count");
 }
 
@@ -135,6 +157,11 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return padded.view({P, kLanes, K}).permute({0, 2, 1}).contiguous();
 }
 
+// the same panels in bfloat16: each weight rounded to nearest, ties to even
+torch::Tensor pack_bf16(const torch::Tensor& weight) {
+  return pack(weight).to(torch::kBFloat16);
+}
+
 // bias: N -> P*8 zero padded (or an empty tensor for none)
 torch::Tensor pack_bias(const torch::Tensor& bias) {
   TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == torch::kFloat && bias.device().is_cpu(),
@@ -148,8 +175,10 @@ torch::Tensor pack_bias(const torch::Tensor& bias) {
 namespace {
 
 // y (m x N, row stride ldy) = x (m x K, contiguous rows) W^T + b through the
-// packed panels w ([P][K][8]); b: P*8 floats or null; act 0 = none, 1 = relu.
-void linear_raw(const float* xs, int64_t m, int64_t K, const float* w, int64_t P, const float* b, int act,
+// packed panels w ([P][K][8], float32 or bfloat16 bits); b: P*8 floats or
+// null; act 0 = none, 1 = relu.
+template <typename WT>
+void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, const float* b, int act,
                 float* yd, int64_t N, int64_t ldy) {
 #ifdef ROWGEMM_X86
   if (m == 0 || N == 0) return;
@@ -180,25 +209,34 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const float* w, int64_t P
       const int64_t p = blk * kBlockPanels;
       const int64_t nv = std::min<int64_t>(kBlockPanels, P - p);
       const int64_t col = p * kLanes;
-      const float* wb = w + p * panel_stride;
+      const WT* wb = w + p * panel_stride;
       const float* bb = b != nullptr ? b + col : nullptr;
       // the next block of this thread's range is fetched during the first row group
-      const float* next = blk + 1 < b1 && nv == kBlockPanels ? wb + kBlockPanels * panel_stride : nullptr;
+      const WT* next = blk + 1 < b1 && nv == kBlockPanels ? wb + kBlockPanels * panel_stride : nullptr;
       for (int64_t g = 0; g < groups; ++g) {
         const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m - g * kGroupRows));
         const float* xg = xd + g * K * kGroupRows;
         float* yg = yd + g * kGroupRows * ldy + col;
         const int64_t ncols = N - col;
-        const float* pf = g == 0 ? next : nullptr;
-        if (nv == 3) rows_block<3>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-        else if (nv == 2) rows_block<2>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-        else rows_block<1>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        const WT* pf = g == 0 ? next : nullptr;
+        if (nv == 3) rows_block<3, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        else if (nv == 2) rows_block<2, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        else rows_block<1, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
       }
     }
   });
 #else
   TORCH_CHECK(false, "rowgemm: built without x86-64 support");
 #endif
+}
+
+// linear_raw through a packed weight tensor of either element type
+void linear_packed(const float* xs, int64_t m, int64_t K, const torch::Tensor& packed, const float* b, int act,
+                   float* yd, int64_t N, int64_t ldy) {
+  if (packed.scalar_type() == torch::kBFloat16)
+    linear_raw(xs, m, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0), b, act, yd, N, ldy);
+  else
+    linear_raw(xs, m, K, packed.data_ptr<float>(), packed.size(0), b, act, yd, N, ldy);
 }
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, const torch::Tensor& packed) {
@@ -228,8 +266,8 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, int
   for (int64_t dim = 0; dim + 1 < x_in.dim(); ++dim) mm *= x_in.size(dim);
   auto y = torch::empty({mm, out_features}, x_in.options());
   const auto xc = x_in.reshape({mm, K}).contiguous();
-  linear_raw(xc.data_ptr<float>(), mm, K, packed.data_ptr<float>(), packed.size(0), b, static_cast<int>(activation),
-             y.data_ptr<float>(), out_features, out_features);
+  linear_packed(xc.data_ptr<float>(), mm, K, packed, b, static_cast<int>(activation), y.data_ptr<float>(), out_features,
+                out_features);
   return y.view(out_shape);
 }
 
@@ -319,18 +357,22 @@ void weighted_values(const float* p, const float* v, int64_t L, int64_t stride, 
 #endif
 
 struct Packed {
-  const float* w;
-  int64_t P;
+  const torch::Tensor* w;  // float32 or bfloat16 panels
   const float* b;
   int64_t N;
 };
+
+// y = x W^T + b (then act) through one of a layer's packed weights
+void linear_raw(const float* xs, int64_t m, int64_t K, const Packed& p, int act, float* yd, int64_t ldy) {
+  linear_packed(xs, m, K, *p.w, p.b, act, yd, p.N, ldy);
+}
 
 Packed packed_of(const torch::Tensor& packed, const torch::Tensor& bias, int64_t out_features, int64_t K) {
   check_packed(packed, out_features);
   TORCH_CHECK(packed.size(1) == K, "decoder_layer: a packed weight has ", packed.size(1), " input features, expected ", K);
   TORCH_CHECK(bias.numel() == packed.size(0) * kLanes && bias.is_contiguous() && bias.scalar_type() == torch::kFloat,
               "decoder_layer: every bias must come from pack_bias");
-  return {packed.data_ptr<float>(), packed.size(0), bias.data_ptr<float>(), out_features};
+  return {&packed, bias.data_ptr<float>(), out_features};
 }
 
 void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
@@ -377,7 +419,7 @@ void self_attention(Stream& s, int64_t B, int64_t m, const Packed& qkv, const Pa
   const int64_t C = s.C, d = C / H;
   const bool cached = kc != nullptr;
   float* tmp = s.tmp.data();
-  linear_raw(s.input(ln_w, ln_b), s.rows, C, qkv.w, qkv.P, qkv.b, 0, tmp, 3 * C, 3 * C);
+  linear_raw(s.input(ln_w, ln_b), s.rows, C, qkv, 0, tmp, 3 * C);
   int64_t longest = m;
   if (cached)
     for (int64_t b = 0; b < B; ++b) {
@@ -409,7 +451,7 @@ void self_attention(Stream& s, int64_t B, int64_t m, const Packed& qkv, const Pa
         weighted_values(scores.data(), vh, L, stride, d, s.attn.data() + (b * m + i) * C + hh * d);
       }
     }
-  linear_raw(s.attn.data(), s.rows, C, out.w, out.P, out.b, 0, tmp, C, C);
+  linear_raw(s.attn.data(), s.rows, C, out, 0, tmp, C);
   s.finish(ln_w, ln_b);
 }
 
@@ -417,8 +459,8 @@ void self_attention(Stream& s, int64_t B, int64_t m, const Packed& qkv, const Pa
 void feed_forward(Stream& s, const Packed& fc1, const Packed& fc2, int64_t F, const torch::Tensor& ln_w,
                   const torch::Tensor& ln_b) {
   std::vector<float> hidden(static_cast<size_t>(s.rows * F));
-  linear_raw(s.input(ln_w, ln_b), s.rows, s.C, fc1.w, fc1.P, fc1.b, 1, hidden.data(), F, F);
-  linear_raw(hidden.data(), s.rows, F, fc2.w, fc2.P, fc2.b, 0, s.tmp.data(), s.C, s.C);
+  linear_raw(s.input(ln_w, ln_b), s.rows, s.C, fc1, 1, hidden.data(), F);
+  linear_raw(hidden.data(), s.rows, F, fc2, 0, s.tmp.data(), s.C);
   s.finish(ln_w, ln_b);
 }
 
@@ -506,7 +548,7 @@ torch::Tensor decoder_layer(
 
   // encoder attention
   const float* in = s.input(ca_ln_w, ca_ln_b);
-  linear_raw(in, s.rows, C, ca_q.w, ca_q.P, ca_q.b, 0, s.tmp.data(), C, C);
+  linear_raw(in, s.rows, C, ca_q, 0, s.tmp.data(), C);
   std::vector<float> q(static_cast<size_t>(dc)), scores(static_cast<size_t>(S));
   const float fc_scaling = static_cast<float>(c_scaling);
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -525,7 +567,7 @@ torch::Tensor decoder_layer(
         weighted_values(scores.data(), vh, S, dc, dc, s.attn.data() + (b * m + i) * C + hh * dc);
       }
     }
-  linear_raw(s.attn.data(), s.rows, C, ca_out.w, ca_out.P, ca_out.b, 0, s.tmp.data(), C, C);
+  linear_raw(s.attn.data(), s.rows, C, ca_out, 0, s.tmp.data(), C);
   s.finish(ca_ln_w, ca_ln_b);
 
   feed_forward(s, fc1, fc2, F, final_ln_w, final_ln_b);
@@ -603,7 +645,7 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
     std::memcpy(in.data() + n * 2 * C, st + n * C, sizeof(float) * C);
     for (int64_t c = 0; c < C; ++c) in[n * 2 * C + C + c] = fscale * em[tok[n] * C + c];
   }
-  linear_raw(in.data(), N, 2 * C, fuse.w, fuse.P, fuse.b, 0, ctx.data(), C, C);
+  linear_raw(in.data(), N, 2 * C, fuse, 0, ctx.data(), C);
   auto out = torch::empty({N, 1 + k, C}, states.options());
   float* o = out.data_ptr<float>();
   const float* bs = base.data_ptr<float>();
@@ -669,6 +711,124 @@ __attribute__((optimize("fp-contract=off"))) torch::Tensor embed_rows(const torc
   return out;
 }
 
+namespace {
+
+#ifdef ROWGEMM_X86
+// exp of 8 floats (Cephes' polynomial, as in avx_mathfun): relative error
+// about 2e-7 over [-88, 88]; inputs below -88.38 (-inf included) give
+// about 0, never a NaN
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_cvttps_epi32(fx);
+  n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// sum over j of exp(v[j] - mx)
+__attribute__((target("avx2,fma"))) float sum_exp(const float* v, int64_t n, float mx) {
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + j), m8)));
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, acc);
+  float sum = 0.0f;
+  for (int t = 0; t < kLanes; ++t) sum += lanes[t];
+  if (j < n) {
+    alignas(32) float rest[kLanes];
+    for (int t = 0; t < kLanes; ++t) rest[t] = j + t < n ? v[j + t] : -std::numeric_limits<float>::infinity();
+    _mm256_store_ps(lanes, exp8(_mm256_sub_ps(_mm256_load_ps(rest), m8)));
+    for (int t = 0; t < kLanes && j + t < n; ++t) sum += lanes[t];
+  }
+  return sum;
+}
+#endif
+
+}  // namespace
+
+// A drafter's pick per row from its output projection, in place of the
+// projection's products, the bias, log_softmax and max: for each of the M
+// rows of states (M x C), the logits over the N = n_base + E types
+//     logits[j] = (states . W_j) + bias[j]
+// (W_j: the packed panels' column j for j < n_base, else column j - n_base
+// of extra_t, C x E, a product summed over C in order), then the best type
+// (the first largest logit) and its log-probability -log(sum_j exp(logits[j]
+// - max)) (a vectorized exp of relative error about 2e-7; a bias of -inf
+// never wins).  Returns (best: M int64, log-prob: M float32).
+std::tuple<torch::Tensor, torch::Tensor> draft_pick(const torch::Tensor& states, const torch::Tensor& packed,
+                                                    int64_t n_base, const c10::optional<torch::Tensor>& extra_t,
+                                                    const torch::Tensor& bias) {
+  TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
+  TORCH_CHECK(states.dim() == 2 && states.scalar_type() == torch::kFloat && states.device().is_cpu() &&
+                  states.is_contiguous(),
+              "draft_pick: states must be a contiguous M x C float32 CPU tensor");
+  check_packed(packed, n_base);
+  const int64_t M = states.size(0), C = states.size(1);
+  TORCH_CHECK(packed.size(1) == C, "draft_pick: the packed weight has ", packed.size(1), " input features, states ", C);
+  int64_t E = 0;
+  const float* ex = nullptr;
+  if (extra_t.has_value() && extra_t->defined()) {
+    TORCH_CHECK(extra_t->dim() == 2 && extra_t->size(0) == C && extra_t->scalar_type() == torch::kFloat &&
+                    extra_t->is_contiguous() && extra_t->device().is_cpu(),
+                "draft_pick: extra_t must be a contiguous C x E float32 CPU tensor");
+    E = extra_t->size(1);
+    ex = extra_t->data_ptr<float>();
+  }
+  const int64_t N = n_base + E;
+  TORCH_CHECK(N > 0 && bias.dim() == 1 && bias.size(0) == N && bias.scalar_type() == torch::kFloat &&
+                  bias.is_contiguous() && bias.device().is_cpu(),
+              "draft_pick: bias must be a contiguous float32 CPU vector of n_base + E = ", N);
+  auto best = torch::empty({M}, states.options().dtype(torch::kLong));
+  auto lprob = torch::empty({M}, states.options());
+  if (M == 0) return {best, lprob};
+  std::vector<float> logits(static_cast<size_t>(M * N));
+  const float* x = states.data_ptr<float>();
+  linear_packed(x, M, C, packed, nullptr, 0, logits.data(), n_base, N);
+  const float* b = bias.data_ptr<float>();
+  int64_t* bo = best.data_ptr<int64_t>();
+  float* lo = lprob.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) {
+    float* row = logits.data() + i * N;
+    if (E > 0) {
+      float* out = row + n_base;
+      std::fill(out, out + E, 0.0f);
+      for (int64_t c = 0; c < C; ++c) {
+        const float xc = x[i * C + c];
+        const float* w = ex + c * E;
+        for (int64_t e = 0; e < E; ++e) out[e] += xc * w[e];
+      }
+    }
+    int64_t arg = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      row[j] += b[j];
+      if (row[j] > row[arg]) arg = j;
+    }
+    const float mx = row[arg];
+#ifdef ROWGEMM_X86
+    const float sum = sum_exp(row, N, mx);
+#else
+    float sum = 0.0f;
+    for (int64_t j = 0; j < N; ++j) sum += std::exp(row[j] - mx);
+#endif
+    bo[i] = arg;
+    lo[i] = -std::log(sum);
+  }
+  return {best, lprob};
+}
+
 // csrc/step.cpp: the tail of a strict speculative iteration in one call
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
@@ -682,6 +842,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
+  m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_bias", &pack_bias, "zero-pad a bias to the packed weight's columns");
   m.def("linear", &linear, "x W^T + b through a packed weight", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("out_features"), pybind11::arg("bias") = c10::nullopt, pybind11::arg("activation") = 0);
@@ -689,6 +850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
   m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
+  m.def("draft_pick", &draft_pick,
+        "a drafter's best type and its log-prob per row: output projection (packed, plus extra columns), bias, "
+        "log-softmax, max");
   m.def("embed_rows", &embed_rows, "a verify pass's input rows: scaled token embeddings plus position rows");
   m.def("strict_step", &strict_step,
         "the tail of a strict speculative iteration: fairseq's rules, running scores, greedy picks, acceptance");

@@ -120,7 +120,7 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
-    drafter = drafter_for_model(model, verifier, need_scores, source)
+    drafter = drafter_for_model(model, verifier, need_scores, source, str(getattr(cfg, "draft_precision", "auto")))
     block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
 
@@ -254,6 +254,12 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         raise ValueError(
             f"--block-size {built.block_size}: the drafter ({built.description}) drafts at most "
             f"{most} tokens per pass (its --max-block); give --block-size {most} or less"
+        )
+    precision = str(getattr(cfg, "draft_precision", "auto"))
+    if precision == "bfloat16" and built.drafter.precision != precision:
+        raise ValueError(
+            f"--draft-precision bfloat16: the drafter of --decoding {cfg.decoding} ({built.description}) reads "
+            "no packed weights to round; drop the option"
         )
     stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding, append=task.stats_file_started(cfg.specdec_stats))
     generator = SpeculativeGenerator(

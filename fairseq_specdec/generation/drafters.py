@@ -33,6 +33,7 @@ A drafter checkpoint (a
 through :func:`drafter_for_model`.
 """
 import math
+from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
@@ -57,6 +58,9 @@ class Drafter:
     #: most tokens one pass can draft (None: any); a larger --block-size is
     #: refused when the generator is built
     max_block: Optional[int] = None
+    #: element type of the packed weights its passes read (``--draft-precision``;
+    #: float32 for a drafter that packs none)
+    precision: str = "float32"
 
     def default_block(self, trained: int) -> int:
         """k when --block-size is not given, for a drafter trained with
@@ -269,25 +273,28 @@ class ShortlistProjection:
     derived once per weight and kept while the weight is unchanged (a
     :class:`DerivedWeight`): packed for the row-blocked kernel where it runs
     (:mod:`fairseq_specdec.utils.rowgemm`; drafts may round differently, the
-    strict output cannot change), else a contiguous transpose.  Only the few
-    source types outside the frequent ones are gathered per batch."""
+    strict output cannot change; in ``precision``, float32 or bfloat16), else
+    a contiguous transpose.  Only the few source types outside the frequent
+    ones are gathered per batch (float32)."""
 
-    def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...]):
+    def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...], precision: str = "float32"):
         self.size = size if 0 < size < num_types else 0
         self.joined = joined
         self.never = never
         self.vocab: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
         self._base = None  # the frequent (or every) type's layout, callable on x
+        self._packed_base = None  # the same when it is a rowgemm.PackedLinear
         self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
-        self._packed = DerivedWeight(rowgemm.PackedLinear)
+        self._packed = DerivedWeight(partial(rowgemm.PackedLinear, precision=precision))
         self._transposed = TransposedWeight()
         self._static = {}  # (padded extra types, dtype, device) -> fixed buffers (make_static)
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         base = weight[: self.size] if self.size else weight
+        self._packed_base = None
         if rowgemm.applies_to(weight):
-            self._base = self._packed.get(base)
+            self._base = self._packed_base = self._packed.get(base)
         else:
             base_t = self._transposed.get(base)
             self._base = lambda x: torch.matmul(x, base_t)
@@ -352,6 +359,19 @@ class ShortlistProjection:
     def types(self, index: Tensor) -> Tensor:
         """Type ids of positions ``index`` along the projected axis."""
         return self.vocab[index] if self.vocab is not None else index
+
+    def pick(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """The best type (an id of the dictionary) and its log-probability
+        under the projection's softmax, for each row of ``x``: one call of
+        the extension where the weight is packed for it
+        (:func:`~fairseq_specdec.utils.rowgemm.draft_pick`, a vectorized
+        exp), else ``log_softmax`` and ``max`` of :meth:`__call__`; the two
+        round differently, which changes drafts at most."""
+        if self._packed_base is not None and x.dtype == torch.float32 and rowgemm.draft_pick_available():
+            best, lprobs = rowgemm.draft_pick(x, self._packed_base, self._extra_t, self.bias)
+        else:
+            lprobs, best = torch.log_softmax(self(x).float(), dim=-1).max(dim=-1)
+        return self.types(best), lprobs
 
 
 class BlockwiseHeadsDrafter(Drafter):
@@ -424,14 +444,21 @@ class VerifierStateDrafter(Drafter):
     shortlist (:class:`ShortlistProjection`: the ``shortlist`` most frequent
     types plus the batch's source tokens when source and target share the
     dictionary).  It returns drafts with their (shortlist) log-probs, so the
-    confidence cut of ``--draft-min-confidence`` applies."""
+    confidence cut of ``--draft-min-confidence`` applies.
 
-    def __init__(self, model, verifier_model, shortlist: int = 0, source: str = "--drafter-path"):
+    ``precision`` (``--draft-precision``, resolved by
+    :func:`draft_precision`): the element type of the packed weights its
+    passes read where the row-blocked kernel computes them."""
+
+    def __init__(self, model, verifier_model, shortlist: int = 0, source: str = "--drafter-path",
+                 precision: str = "float32"):
         model.check_verifier(verifier_model, source)
         self.model = model
+        self.precision = precision
         self.max_block = model.offsets.num_embeddings  # one slot offset per drafted token
         self.projection = ShortlistProjection(
-            shortlist, model.num_types, joined_dictionaries(verifier_model), (model.padding_idx, model.dictionary.bos())
+            shortlist, model.num_types, joined_dictionaries(verifier_model), (model.padding_idx, model.dictionary.bos()),
+            precision,
         )
         self.memory = None
         self.ctx_states = None
@@ -505,11 +532,9 @@ class VerifierStateDrafter(Drafter):
 
     def propose(self, state, k):
         states = self.model.block_states(
-            self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k
+            self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k, self.precision
         )
-        logits = self.projection(states)
-        lprobs, best = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)
-        return self.projection.types(best), lprobs
+        return self.projection.pick(states)
 
     def default_block(self, trained: int) -> int:
         """Where the products run through the row-blocked kernel, k + 1 fits
@@ -522,7 +547,8 @@ class VerifierStateDrafter(Drafter):
 
     def describe(self) -> str:
         shortlist = self.model.cfg.shortlist
-        return f"specdec_vsd drafter reading the verifier's states (shortlist {shortlist or 'off'})"
+        return (f"specdec_vsd drafter reading the verifier's states (shortlist {shortlist or 'off'}, "
+                f"{self.precision} weights)")
 
     def reorder(self, order, order_host) -> None:
         self.memory = self.model.select_memory(self.memory, order)
@@ -531,14 +557,44 @@ class VerifierStateDrafter(Drafter):
             self._to_static()
 
 
-def drafter_for_model(model, verifier_model, need_scores: bool, source: str) -> Drafter:
+#: ``--draft-precision`` choices
+DRAFT_PRECISIONS = ("auto",) + rowgemm.PRECISIONS
+
+
+def draft_precision(value: str, model) -> str:
+    """The element type of the packed weights a drafter model's passes read,
+    for ``--draft-precision`` ``value``: ``auto`` is bfloat16 for a
+    ``specdec_vsd`` drafter whose passes the row-blocked kernel computes with
+    bfloat16 panels (float32 weights on a CPU with AVX2), float32 otherwise;
+    an explicit bfloat16 that cannot apply is refused, naming the option."""
+    if value not in DRAFT_PRECISIONS:
+        raise ValueError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}, got {value!r}")
+    vsd = isinstance(model, VerifierStateDrafterModel)
+    runs = vsd and rowgemm.applies_to(model.output_weight) and rowgemm.bfloat16_available()
+    if value == "auto":
+        return "bfloat16" if runs else "float32"
+    if value == "bfloat16" and not runs:
+        if not vsd:
+            why = f"the drafter is a {type(model).__name__}, whose passes are torch's operations"
+        else:
+            why = rowgemm.unavailable_reason() or (
+                "its weights are not float32 on the CPU" if not rowgemm.applies_to(model.output_weight)
+                else "the C++ extension has no bfloat16 panels (an older build; reinstall the plugin)")
+        raise ValueError(f"--draft-precision bfloat16 applies to specdec_vsd drafters computed by the plugin's "
+                         f"C++ kernel, but {why}; use --draft-precision auto or float32")
+    return value
+
+
+def drafter_for_model(model, verifier_model, need_scores: bool, source: str, precision: str = "auto") -> Drafter:
     """The loop's drafter for a drafter checkpoint (``source``: where it came
     from, for messages): one drafter class per kind of
     :class:`~fairseq_specdec.models.protocol.DrafterModel`.
     ``need_scores``: the drafts' log-probs are needed (acceptance by drafter
-    score, or a confidence cut)."""
+    score, or a confidence cut); ``precision``: ``--draft-precision``
+    (:func:`draft_precision`)."""
+    precision = draft_precision(precision, model)
     if isinstance(model, VerifierStateDrafterModel):
-        return VerifierStateDrafter(model, verifier_model, model.cfg.shortlist, source)
+        return VerifierStateDrafter(model, verifier_model, model.cfg.shortlist, source, precision)
     if isinstance(model, SourceReadingDrafterModel):
         return NATBlockDrafter(model, verifier_model, with_scores=need_scores)
     kind = "a drafter of no kind the generator knows" if isinstance(model, DrafterModel) else "not a drafter"

@@ -60,7 +60,9 @@ class VerifierStateDrafterModel(DrafterModel):
     verifier, naming ``source``), ``verifier_states(verifier, src_tokens,
     src_lengths, prev_output_tokens) -> (encoder_out, features)`` (the
     teacher-forced states it trains on), ``source_memory``,
-    ``select_memory``, ``block_states``, ``start_state``, ``output_weight``,
+    ``select_memory``, ``block_states`` (its last argument, ``precision``:
+    the element type of the packed weights where the C++ kernel computes the
+    pass), ``start_state``, ``output_weight``,
     ``num_types``, ``padding_idx``, ``dictionary``, ``offsets`` and
     ``cfg.shortlist`` / ``cfg.cuts_per_sentence``."""
 

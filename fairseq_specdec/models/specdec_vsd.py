@@ -111,34 +111,41 @@ class BlockLayer(nn.Module):
         k, v = cached_linear(self.cross_kv, enc).chunk(2, dim=-1)
         return self._heads(k).contiguous(), self._heads(v).contiguous()
 
-    def _fused_args(self) -> Optional[tuple]:
+    def _fused_args(self, precision: str = "float32") -> Optional[tuple]:
         """``(weights, norms, eps)``: this layer's arguments to one call of
         the C++ extension (:func:`fairseq_specdec.utils.rowgemm.fused_layer`;
-        the products packed), derived at the first pass of an inference scope
-        and rebuilt when a weight changes; None where the extension does not
-        compute the layer (weights not float32 on a CPU the kernel runs on,
-        norms other than affine ``nn.LayerNorm`` with one epsilon).  The call rounds a little
-        differently from the operations of :meth:`forward`: drafts may
-        change, never a strict output."""
-        cache = self.__dict__.get("_specdec_fused_args")
+        the products packed in ``precision``), derived at the first pass of an
+        inference scope and rebuilt when a weight changes; None where the
+        extension does not compute the layer (weights not float32 on a CPU the
+        kernel runs on, norms other than affine ``nn.LayerNorm`` with one
+        epsilon).  The call rounds a little differently from the operations
+        of :meth:`forward` (bfloat16 panels more): drafts may change, never a
+        strict output."""
+        name = f"_specdec_fused_args_{precision}"
+        cache = self.__dict__.get(name)
         if cache is None:
-            cache = self.__dict__["_specdec_fused_args"] = DerivedWeight(self._build_fused_args)
+            cache = self.__dict__[name] = DerivedWeight(lambda *weights: self._build_fused_args(precision))
         return cache.get_with(self.parameters)
 
-    def _build_fused_args(self, *weights) -> Optional[tuple]:
+    def _build_fused_args(self, precision: str) -> Optional[tuple]:
         norms = (self.ln_self, self.ln_cross, self.ln_ffn)
         if not rowgemm.fused_layer_available() or not rowgemm.fusable_norms(norms):
             return None
-        linears = [packed_linear(m) for m in (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)]
+        modules = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
+        linears = [packed_linear(m, precision) for m in modules]
         if any(p is None for p in linears):
             return None
         return rowgemm.packed_pairs(linears), [(n.weight.detach(), n.bias.detach()) for n in norms], float(self.ln_self.eps)
 
-    def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor]) -> Tensor:
+    def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor],
+                precision: str = "float32") -> Tensor:
+        """``precision``: of the packed weights where the C++ extension
+        computes the layer (:meth:`_fused_args`); the operations below are
+        float32 whatever it says."""
         n, length, c = x.shape
         fused = None
         if not self.training and not torch.is_grad_enabled() and x.dtype == torch.float32:
-            fused = self._fused_args()
+            fused = self._fused_args(precision)
         if fused is not None:
             weights, norms, eps = fused
             d = c // self.heads
@@ -307,7 +314,8 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         }
 
     def block_states(
-        self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor], k: int
+        self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor], k: int,
+        precision: str = "float32",
     ) -> Tensor:
         """N x k x C states of the block slots.
 
@@ -315,25 +323,32 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         the verifier state that predicted the newest accepted token (or the
         start state); ``ctx_tokens`` (N): that token; ``cuts`` (N): accepted
         tokens so far; ``slot_tokens`` (N x k): the mask index, or a revealed
-        gold token (glancing); None: every slot is masked (decoding)."""
+        gold token (glancing); None: every slot is masked (decoding).
+        ``precision`` (one of :data:`~fairseq_specdec.utils.rowgemm.PRECISIONS`):
+        of the packed weights where the C++ extension computes (decoding in
+        float32 on a CPU); torch's operations ignore it."""
         base = memory.get("copy_base") if slot_tokens is None else None
         if base is not None and self._fused_input(ctx_states):
             # decoding on the CPU: the context and slot rows in one call of the
             # extension (the same sums as _input_rows, the fuse product rowgemm's)
             x = rowgemm.block_input(ctx_states, ctx_tokens, self.embed_weight, float(self.embed_scale),
-                                    packed_linear(self.fuse), base, cuts, self.offsets.weight, k)
+                                    packed_linear(self.fuse, precision), base, cuts, self.offsets.weight, k)
         else:
-            x = F.dropout(self._input_rows(memory, ctx_states, ctx_tokens, cuts, slot_tokens, k, base), self.cfg.dropout,
-                          self.training)
+            x = F.dropout(self._input_rows(memory, ctx_states, ctx_tokens, cuts, slot_tokens, k, base, precision),
+                          self.cfg.dropout, self.training)
         for layer, layer_memory in zip(self.layers, memory["layers"]):
-            x = layer(x, layer_memory, memory["mask"])
+            x = layer(x, layer_memory, memory["mask"], precision)
         return self.final_ln(x[:, 1:])
 
     def _input_rows(self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor],
-                    k: int, base: Optional[Tensor]) -> Tensor:
+                    k: int, base: Optional[Tensor], precision: str = "float32") -> Tensor:
         """N x (1 + k) x C: the context row, then the k slot rows (the slots'
-        rows gathered from ``base`` where given: decoding)."""
-        ctx = cached_linear(self.fuse, torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1))
+        rows gathered from ``base`` where given: decoding).  The fuse
+        product reads the weight packed in ``precision`` where the kernel
+        computes it, as :meth:`block_states`' one-call path does."""
+        fuse_in = torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1)
+        packed = packed_linear(self.fuse, precision) if _cpu_inference(self, fuse_in, self.fuse.weight) else None
+        ctx = packed(fuse_in) if packed is not None else cached_linear(self.fuse, fuse_in)
         index = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)  # N x k target positions
         if base is not None:  # decoding: position row + soft copy, gathered
             index = index.clamp_(max=base.size(1) - 1).unsqueeze(-1).expand(-1, -1, base.size(-1))

@@ -20,6 +20,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..generation.acceptance import ACCEPT_IMPLS, VERIFY_SCORES
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
+from ..generation.drafters import DRAFT_PRECISIONS
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
@@ -37,6 +38,7 @@ VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
 ENCODER_IMPL_CHOICES = ChoiceEnum(list(ENCODER_IMPLS))
 CUDA_GRAPHS_CHOICES = ChoiceEnum(list(CUDA_GRAPHS))
 ACCEPT_IMPL_CHOICES = ChoiceEnum(list(ACCEPT_IMPLS))
+DRAFT_PRECISION_CHOICES = ChoiceEnum(list(DRAFT_PRECISIONS))
 
 #: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
 #: and costs little with good ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
@@ -180,6 +182,17 @@ class DraftVerifyConfig(TranslationConfig):
             "a CPU verifier, no --unkpen; an iteration whose greedy pick ties goes to torch); 'torch': "
             "tensor operations; 'auto' (default): fused where it runs, else torch. Both give the same "
             "tokens and scores"
+        },
+    )
+    draft_precision: DRAFT_PRECISION_CHOICES = field(
+        default="auto",
+        metadata={
+            "help": "speculative decodings with a specdec_vsd drafter on a CPU: the element type of the "
+            "drafter's weights in the plugin's C++ kernel. 'bfloat16': each weight rounded once to "
+            "bfloat16, half the bytes streamed from memory per drafting pass (inputs, sums and outputs "
+            "stay float32); 'float32': as trained; 'auto' (default): bfloat16 where the kernel runs, "
+            "else float32. Only the drafts can change (a strict output cannot; a relaxed one can, as "
+            "with any other drafts); see docs/verify-kernels.md for what it measured"
         },
     )
     cuda_graphs: CUDA_GRAPHS_CHOICES = field(
@@ -340,6 +353,7 @@ class DraftVerifyTask(TranslationTask):
         ("verify_gemm", "auto"),
         ("encoder_impl", "auto"),
         ("accept_impl", "auto"),
+        ("draft_precision", "auto"),
         ("cuda_graphs", "auto"),
         ("specdec_stats", None),
         ("ngram_split", "train"),

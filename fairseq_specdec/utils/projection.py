@@ -17,6 +17,7 @@ checked against its weight's storage, version, dtype and 16 sampled values
 inside a scope the weights are taken to be constant.
 """
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -204,15 +205,17 @@ def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     return transposed_linear(x, cache.get(module.weight), module.bias)
 
 
-def packed_linear(module: torch.nn.Linear):
+def packed_linear(module: torch.nn.Linear, precision: str = "float32"):
     """The :class:`~fairseq_specdec.utils.rowgemm.PackedLinear` of ``module``
-    that :func:`cached_linear` computes with (the same cached layout, rebuilt
-    when the weight changes); None where the kernel does not apply."""
+    in ``precision`` (float32: the one :func:`cached_linear` computes with),
+    cached in the module's ``__dict__`` and rebuilt when the weight changes;
+    None where the kernel does not apply."""
     if not rowgemm.applies_to(module.weight):
         return None
-    cache = module.__dict__.get("_specdec_packed")
+    name = "_specdec_packed" if precision == "float32" else f"_specdec_packed_{precision}"
+    cache = module.__dict__.get(name)
     if cache is None:
-        cache = module.__dict__["_specdec_packed"] = DerivedWeight(rowgemm.PackedLinear)
+        cache = module.__dict__[name] = DerivedWeight(partial(rowgemm.PackedLinear, precision=precision))
     return cache.get(module.weight, module.bias)
 
 

@@ -15,6 +15,15 @@ number of rows in the call nor the other rows; it is not bitwise a BLAS
 result, so a greedy choice whose top two log-probs tie within rounding can
 differ from ``fairseq-generate --beam 1`` (measured in docs/verify-kernels.md).
 
+**bfloat16 panels** (``precision="bfloat16"``, drafters only): the weight
+is rounded once to the nearest bfloat16 (ties to even) and packed at half the
+bytes; each element is widened exactly to float32 in the kernel, so the
+contract above holds for the rounded weight.  A decoding loop streams its
+weights from memory at every pass, so half the bytes is less time where the
+pass waits for memory (docs/verify-kernels.md).  A drafter that rounds
+differently drafts differently, which a strict verification only rejects;
+the verifier's products always read float32 panels.
+
 The extension is built at install (``setup.py``) and is optional:
 :func:`unavailable_reason` says why it cannot be used, and callers fall back
 to torch's products.
@@ -38,6 +47,9 @@ ROW_BLOCK = 4
 
 #: fused activations of :meth:`PackedLinear.__call__`
 ACTIVATIONS = {None: 0, "relu": 1}
+
+#: element types of packed weights (:class:`PackedLinear`'s ``precision``)
+PRECISIONS = ("float32", "bfloat16")
 
 
 def fitting_block(weight: Tensor, k: int) -> int:
@@ -70,24 +82,39 @@ def applies_to(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and unavailable_reason() is None
 
 
+def bfloat16_available() -> bool:
+    """Whether the kernel runs here with bfloat16 panels (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "pack_bf16")
+
+
 class PackedLinear:
     """``F.linear(x, weight, bias)`` (then ``activation``) through the
-    row-blocked kernel, with ``weight`` packed once at construction.
+    row-blocked kernel, with ``weight`` packed once at construction, in
+    float32 or rounded to bfloat16 (``precision``, one of
+    :data:`PRECISIONS`; the bias, the inputs and the sums stay float32).
 
     A snapshot: it does not see later changes to ``weight`` (its owner
     rebuilds it when the weights change).  Inputs of any leading shape;
     float32 on the CPU only.
     """
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None):
+    def __init__(self, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                 precision: str = "float32"):
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "bfloat16" and not bfloat16_available():
+            raise RuntimeError("the C++ extension fairseq_specdec._rowgemm has no bfloat16 panels (an older build); "
+                               "reinstall the plugin")
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.packed = _ext.pack(weight.float().contiguous())
+        self.precision = precision
+        pack = _ext.pack_bf16 if precision == "bfloat16" else _ext.pack
+        self.packed = pack(weight.float().contiguous())
         self.bias = _ext.pack_bias(bias.detach().float().contiguous()) if bias is not None else None
         self.activation = ACTIVATIONS[activation]
 
@@ -291,3 +318,23 @@ def same_signature(weights: List[Tensor], signature: Tensor) -> int:
     """1: ``weights`` have ``signature`` (:func:`weights_signature`); 0: they
     have another one; -1: a weight has none."""
     return _ext.same_signature(weights, signature)
+
+
+def draft_pick_available() -> bool:
+    """Whether the extension has the drafter's one-call pick (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "draft_pick")
+
+
+def draft_pick(states: Tensor, base: PackedLinear, extra_t: Optional[Tensor], bias: Tensor):
+    """A drafter's best type and its log-probability for each row of
+    ``states`` (... x C), in one call of the extension (``draft_pick`` in
+    ``csrc/rowgemm.cpp``): the logits ``states @ [W_base; extra_t.T].T + bias``
+    (``base``: the packed :class:`PackedLinear` of the first types, no bias;
+    ``extra_t``: C x E further columns, or None), then the first largest
+    logit and ``-log(sum(exp(logits - max)))``: what ``torch.log_softmax(
+    logits).max(-1)`` gives, up to float rounding (a vectorized exp).
+    Returns (index into the N types, log-prob), each of shape ``...``."""
+    lead = states.shape[:-1]
+    best, lprob = _ext.draft_pick(states.reshape(-1, states.size(-1)).contiguous(), base.packed, base.out_features,
+                                  extra_t, bias.contiguous())
+    return best.view(lead), lprob.view(lead)
