@@ -128,3 +128,39 @@ def test_captured_iterations_replay_the_static_step(toy_bin, verifier, vsd_check
     cache = gen.iteration_graphs.graph_cache
     assert cache.captures > 0 and cache.replays > cache.captures
     assert_identical(eager, got, atol=0)
+
+
+def test_growing_table_of_slot_rows_gives_the_drafts_of_the_whole_table(toy_bin, verifier, beam1_reference,
+                                                                         vsd_checkpoint):
+    """The eager drafter starts with a short table of slot rows and grows it
+    as rows get longer: starting from 2 positions (so that it grows several
+    times) it drafts the tokens of a drafter whose first table spans the
+    whole width, pass by pass, in batches of 1 and 3, and decodes like
+    --beam 1."""
+    model, task = verifier
+    d = task.target_dictionary
+    drafts = {}
+    sizes = []
+    for first in (2, 10**6):
+        drafter = vsd_drafter(toy_bin, vsd_checkpoint, model)
+        drafter.FIRST_POSITIONS = first
+        seen = drafts[first] = []
+        propose = drafter.propose
+
+        def recording(state, k, propose=propose, drafter=drafter, seen=seen):
+            tokens, lprobs = propose(state, k)
+            seen.append((tokens.clone(), lprobs.clone()))
+            sizes.append((first, drafter.memory["copy_base"].size(1), max(state.lengths_host) + k))
+            return tokens, lprobs
+
+        drafter.propose = recording
+        for bsz in (1, 3):
+            gen = generator(model, drafter, d, "off")
+            assert_identical(beam1_reference("default", bsz), run_generator(gen, model, H.batches(task, "test", bsz)))
+    assert len(drafts[2]) == len(drafts[10**6]) > 0
+    for (tokens, lprobs), (want_tokens, want_lprobs) in zip(drafts[2], drafts[10**6]):
+        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(lprobs, want_lprobs, rtol=1e-5, atol=1e-5)
+    grown = [size for first, size, need in sizes if first == 2]
+    assert max(grown) > 4  # it grew, more than once
+    assert all(size >= need for first, size, need in sizes if first == 2)  # every slot inside the table

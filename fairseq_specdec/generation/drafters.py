@@ -289,6 +289,7 @@ class ShortlistProjection:
         self._packed = DerivedWeight(partial(rowgemm.PackedLinear, precision=precision))
         self._transposed = TransposedWeight()
         self._static = {}  # (padded extra types, dtype, device) -> fixed buffers (make_static)
+        self._first = None  # ((types, dtype, device), their ids, their zero bias with -inf at never types)
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         base = weight[: self.size] if self.size else weight
@@ -298,8 +299,14 @@ class ShortlistProjection:
         else:
             base_t = self._transposed.get(base)
             self._base = lambda x: torch.matmul(x, base_t)
-        ids = torch.arange(base.size(0), device=weight.device)
+        # the first types' ids and zero bias (-inf at the never types), made once per shape
+        key = (base.size(0), weight.dtype, weight.device)
+        if self._first is None or self._first[0] != key:
+            ids = torch.arange(base.size(0), device=weight.device)
+            self._first = (key, ids, self._never_masked(torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device), ids))
+        _, ids, zero_bias = self._first
         self.vocab, self._extra_t = None, None
+        extra = None
         if self.size:
             if self.joined:
                 src = torch.unique(src_tokens.flatten())
@@ -307,15 +314,25 @@ class ShortlistProjection:
                 if extra.numel() > 0:
                     self._extra_t = weight.detach().index_select(0, extra).t().contiguous()
                     ids = torch.cat([ids, extra])
+                else:
+                    extra = None
             self.vocab = ids
         if bias is not None:
-            bias = bias.detach().index_select(0, ids)
+            self.bias = self._never_masked(bias.detach().index_select(0, ids), ids)
+        elif extra is None:
+            self.bias = zero_bias
         else:
-            bias = torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device)
-        never = torch.zeros_like(ids, dtype=torch.bool)
+            tail = torch.zeros(extra.size(0), dtype=weight.dtype, device=weight.device)
+            if any(t >= self.size for t in self.never):  # a never type can be among the source's types
+                tail = self._never_masked(tail, extra)
+            self.bias = torch.cat([zero_bias, tail])
+
+    def _never_masked(self, bias: Tensor, ids: Tensor) -> Tensor:
+        """``bias`` with -inf where ``ids`` is one of the never types."""
+        mask = torch.zeros_like(ids, dtype=torch.bool)
         for t in self.never:
-            never |= ids == t
-        self.bias = bias.masked_fill(never, -math.inf)
+            mask |= ids == t
+        return bias.masked_fill(mask, -math.inf)
 
     def make_static(self, step: int = 16) -> int:
         """After :meth:`start_batch`: the batch's source types outside the
@@ -464,14 +481,21 @@ class VerifierStateDrafter(Drafter):
         self.ctx_states = None
         self.static = False
         self._static = {}  # (rows, source bucket, dtype) -> fixed memory and context buffers
+        self._width = 0  # the batch's width (state.width): positions its slots can reach
         self._key = ()
         self._extra = 0  # the shortlist's padded count of the batch's extra source types
         self._weights = WeightsWatch()  # the model's weights; its generation joins the graphs' key
 
+    #: positions of a batch's first table of slot rows (eager passes): it
+    #: grows, doubling, once a row's slots reach past it (:meth:`_cover`)
+    FIRST_POSITIONS = 32
+
     def start_batch(self, state) -> None:
         model = self.model
         # the slots' position table, for eager passes (the fixed buffers of static ones leave it out)
-        self.memory = model.source_memory(state.encoder_out, positions=0 if self.static else state.width)
+        self._width = state.width
+        first = 0 if self.static else min(state.width, self.FIRST_POSITIONS)
+        self.memory = model.source_memory(state.encoder_out, positions=first)
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
         self.projection.start_batch(model.output_weight, None, state.net_input["src_tokens"])
         if self.static:
@@ -530,7 +554,23 @@ class VerifierStateDrafter(Drafter):
         else:
             self.ctx_states = feedback.newest_states()
 
+    def _cover(self, state, k: int) -> None:
+        """Grow the batch's table of slot rows (``copy_base``) until it holds
+        every slot of this pass (positions up to the longest row's length +
+        k - 1), doubling, up to the batch's width and the model's position
+        table: the slots then read the rows that a table of the whole width
+        holds, and the first, short table spares the soft copy of positions
+        no row reaches."""
+        table = self.memory["copy_base"]
+        size = table.size(1)
+        need = max(state.lengths_host) + k
+        most = min(self._width, self.model.positions.num_embeddings)
+        if need > size and size < most:
+            self.memory["copy_base"] = self.model.position_table(self.memory, min(max(2 * size, need), most))
+
     def propose(self, state, k):
+        if not self.static:
+            self._cover(state, k)
         states = self.model.block_states(
             self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k, self.precision
         )

@@ -59,7 +59,9 @@ class VerifierStateDrafterModel(DrafterModel):
     the verifier), ``check_verifier(verifier, source)`` (refuses another
     verifier, naming ``source``), ``verifier_states(verifier, src_tokens,
     src_lengths, prev_output_tokens) -> (encoder_out, features)`` (the
-    teacher-forced states it trains on), ``source_memory``,
+    teacher-forced states it trains on), ``source_memory``, ``position_table``
+    (its table of slot rows for more positions), ``positions`` (the position
+    embedding: its ``num_embeddings`` bounds that table),
     ``select_memory``, ``block_states`` (its last argument, ``precision``:
     the element type of the packed weights where the C++ kernel computes the
     pass), ``start_state``, ``output_weight``,

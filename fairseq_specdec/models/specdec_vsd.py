@@ -282,9 +282,17 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
             "copy_pad": src_pad.unsqueeze(1),
         }
         if positions > 0:
-            pos, query = self._position_queries(min(positions, self.positions.num_embeddings))
-            memory["copy_base"] = self._soft_copy(query, memory) + pos
+            memory["copy_base"] = self.position_table(memory, positions)
         return memory
+
+    def position_table(self, memory, positions: int) -> Tensor:
+        """``copy_base`` of :meth:`source_memory`'s rows ``memory`` for
+        positions 0 .. P-1, P = min(``positions``, the position table's
+        size): a table made for fewer positions is the first rows of one
+        made for more (each row is its position's alone), so a decoder can
+        start small and grow it as its rows get longer."""
+        pos, query = self._position_queries(min(positions, self.positions.num_embeddings))
+        return self._soft_copy(query, memory) + pos
 
     def _soft_copy(self, query: Tensor, memory) -> Tensor:
         """The slots' soft copy of the source: attention of the position
