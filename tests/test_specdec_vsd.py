@@ -3,7 +3,8 @@
 Block inputs at several cuts per sentence, training through stock
 fairseq-train (glat_block, the frozen verifier from --init-from-verifier),
 and strict draft-verify decoding with it identical to fairseq's --beam 1
-(fixed k, adaptive draft length, confidence cut, batch 1 and 16).
+(fixed k, adaptive draft length, confidence cut, float32 and bfloat16
+drafter weights, batch 1 and 16).
 """
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_vsd_trains_above_chance_and_is_small(vsd_training, ar_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bsz", [1, 16])
-@pytest.mark.parametrize("extra", [[], ["--adaptive-draft"], ["--adaptive-draft", "--draft-min-confidence", "0.3"]])
+@pytest.mark.parametrize("extra", [[], ["--adaptive-draft"], ["--adaptive-draft", "--draft-min-confidence", "0.3"],
+                                   ["--draft-precision", "float32"]])
 def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz, extra):
     ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify", batch_size=bsz).stdout)
     proc = H.generate(
@@ -78,6 +80,9 @@ def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz
     H.assert_same_hypotheses(ref, H.parse_generate(proc.stdout))
     out = proc.stdout + proc.stderr
     assert "specdec_vsd drafter" in out
+    # the default weights are bfloat16 wherever the kernel runs with them
+    precision = "float32" if "float32" in extra or not rowgemm.bfloat16_available() else "bfloat16"
+    assert f"{precision} weights" in out
     # drafts get accepted: more than one token per verifier call
     import re
 
