@@ -283,8 +283,8 @@ class ShortlistProjection:
         self.never = never
         self.vocab: Optional[Tensor] = None
         self.bias: Optional[Tensor] = None
-        self._base = None  # the frequent (or every) type's layout, callable on x
-        self._packed_base = None  # the same when it is a rowgemm.PackedLinear
+        # the frequent (or every) type's layout, callable on x: a rowgemm.PackedLinear where the kernel runs
+        self._base = None
         self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
         self._packed = DerivedWeight(partial(rowgemm.PackedLinear, precision=precision))
         self._transposed = TransposedWeight()
@@ -293,9 +293,8 @@ class ShortlistProjection:
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         base = weight[: self.size] if self.size else weight
-        self._packed_base = None
         if rowgemm.applies_to(weight):
-            self._base = self._packed_base = self._packed.get(base)
+            self._base = self._packed.get(base)
         else:
             base_t = self._transposed.get(base)
             self._base = lambda x: torch.matmul(x, base_t)
@@ -384,8 +383,8 @@ class ShortlistProjection:
         (:func:`~fairseq_specdec.utils.rowgemm.draft_pick`, a vectorized
         exp), else ``log_softmax`` and ``max`` of :meth:`__call__`; the two
         round differently, which changes drafts at most."""
-        if self._packed_base is not None and x.dtype == torch.float32 and rowgemm.draft_pick_available():
-            best, lprobs = rowgemm.draft_pick(x, self._packed_base, self._extra_t, self.bias)
+        if isinstance(self._base, rowgemm.PackedLinear) and x.dtype == torch.float32 and rowgemm.draft_pick_available():
+            best, lprobs = rowgemm.draft_pick(x, self._base, self._extra_t, self.bias)
         else:
             lprobs, best = torch.log_softmax(self(x).float(), dim=-1).max(dim=-1)
         return self.types(best), lprobs
@@ -481,7 +480,6 @@ class VerifierStateDrafter(Drafter):
         self.ctx_states = None
         self.static = False
         self._static = {}  # (rows, source bucket, dtype) -> fixed memory and context buffers
-        self._width = 0  # the batch's width (state.width): positions its slots can reach
         self._key = ()
         self._extra = 0  # the shortlist's padded count of the batch's extra source types
         self._weights = WeightsWatch()  # the model's weights; its generation joins the graphs' key
@@ -493,7 +491,6 @@ class VerifierStateDrafter(Drafter):
     def start_batch(self, state) -> None:
         model = self.model
         # the slots' position table, for eager passes (the fixed buffers of static ones leave it out)
-        self._width = state.width
         first = 0 if self.static else min(state.width, self.FIRST_POSITIONS)
         self.memory = model.source_memory(state.encoder_out, positions=first)
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
@@ -564,7 +561,7 @@ class VerifierStateDrafter(Drafter):
         table = self.memory["copy_base"]
         size = table.size(1)
         need = max(state.lengths_host) + k
-        most = min(self._width, self.model.positions.num_embeddings)
+        most = min(state.width, self.model.positions.num_embeddings)
         if need > size and size < most:
             self.memory["copy_base"] = self.model.position_table(self.memory, min(max(2 * size, need), most))
 

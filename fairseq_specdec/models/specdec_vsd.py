@@ -355,8 +355,7 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         product reads the weight packed in ``precision`` where the kernel
         computes it, as :meth:`block_states`' one-call path does."""
         fuse_in = torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1)
-        packed = packed_linear(self.fuse, precision) if _cpu_inference(self, fuse_in, self.fuse.weight) else None
-        ctx = packed(fuse_in) if packed is not None else cached_linear(self.fuse, fuse_in)
+        ctx = cached_linear(self.fuse, fuse_in, precision)
         index = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)  # N x k target positions
         if base is not None:  # decoding: position row + soft copy, gathered
             index = index.clamp_(max=base.size(1) - 1).unsqueeze(-1).expand(-1, -1, base.size(-1))

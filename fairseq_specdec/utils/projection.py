@@ -186,17 +186,17 @@ class TransposedProjection:
         return out + bias if bias is not None else out
 
 
-def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
+def cached_linear(module: torch.nn.Linear, x: Tensor, precision: str = "float32") -> Tensor:
     """``module(x)``, at inference (no gradients, eval mode) through a cached
     layout of its weight, kept in the module's ``__dict__`` (never saved) and
     rebuilt when the weight changes: packed for the row-blocked kernel
-    (:mod:`fairseq_specdec.utils.rowgemm`) where it runs, else a contiguous
-    transpose (:class:`TransposedWeight`).  For drafters, whose rounding
-    changes drafts, never the strict output."""
+    (:mod:`fairseq_specdec.utils.rowgemm`) in ``precision`` where it runs,
+    else a contiguous transpose (:class:`TransposedWeight`, float32).  For
+    drafters, whose rounding changes drafts, never the strict output."""
     if torch.is_grad_enabled() or module.training:
         return module(x)
     if x.dtype == torch.float32:
-        packed = packed_linear(module)
+        packed = packed_linear(module, precision)
         if packed is not None:
             return packed(x)
     cache = module.__dict__.get("_specdec_weight_t")
