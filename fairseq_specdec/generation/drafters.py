@@ -126,6 +126,90 @@ class NoDrafter(Drafter):
         return True
 
 
+def _widened(t: Tensor, width: int, fill) -> Tensor:
+    """``t`` (B x w, w <= width) with ``fill`` columns appended up to ``width``."""
+    if t.size(1) == width:
+        return t
+    return torch.cat([t, t.new_full((t.size(0), width - t.size(1)), fill)], dim=1)
+
+
+class FallbackDrafter(Drafter):
+    """Two drafters, the cheap one first: each row takes the ``first``
+    drafter's draft where it has one (its first token is not pad), and the
+    ``second`` drafter's elsewhere.  The second's pass runs only in
+    iterations where some row has no draft from the first, for every row
+    (its drafts of the rows the first covered are dropped), so with a first
+    drafter that costs next to nothing (``ngram``: a few table lookups) an
+    iteration pays the second's pass only where the first had nothing to
+    say.
+
+    Each drafter drafts at most its own ``k`` (``first_k``, ``second_k``;
+    None: the loop's k), so the loop's ``--block-size`` is the larger of the
+    two.  Both hear every ``start_batch``, ``update`` and ``reorder``, so the
+    second's view of the verifier's states stays current through the
+    iterations it did not draft in.  Log-probs: the second's where it
+    drafted, 0 (probability 1) on the first's drafts, which have passed the
+    first's own confidence cut; None when the first drafted every row (or
+    the second returns none).  Strict verification outputs ``--beam 1``'s
+    tokens whatever either proposes.
+
+    ``first_rows`` / ``second_passes`` count the rows drafted by the first
+    and the passes of the second (for the log and the tests)."""
+
+    def __init__(self, first: Drafter, second: Drafter, pad: int, first_k: Optional[int] = None,
+                 second_k: Optional[int] = None):
+        self.first, self.second, self.pad = first, second, pad
+        self.first_k, self.second_k = first_k, second_k
+        limits = [d.max_positions for d in (first, second) if d.max_positions is not None]
+        self.max_positions = min(limits) if limits else None
+        blocks = [d.max_block for d in (first, second) if d.max_block is not None]
+        self.max_block = min(blocks) if blocks else None
+        self.precision = second.precision
+        self.first_rows = 0
+        self.second_passes = 0
+
+    def start_batch(self, state) -> None:
+        self.first.start_batch(state)
+        self.second.start_batch(state)
+
+    def propose(self, state, k):
+        tokens, lprobs = self.first.propose(state, k if self.first_k is None else min(k, self.first_k))
+        pad = self.pad
+        if tokens.size(1) > 0:
+            has = tokens[:, 0].ne(pad)
+            covered = int(has.sum())
+        else:
+            has, covered = None, 0
+        self.first_rows += covered
+        if covered == state.size:
+            return tokens, lprobs
+        self.second_passes += 1
+        second, second_lprobs = self.second.propose(state, k if self.second_k is None else min(k, self.second_k))
+        if covered == 0:
+            return second, second_lprobs
+        width = max(tokens.size(1), second.size(1))
+        take = has.unsqueeze(1)
+        merged = torch.where(take, _widened(tokens, width, pad), _widened(second.to(tokens.dtype), width, pad))
+        merged_lprobs = None
+        if second_lprobs is not None:
+            first_lprobs = lprobs if lprobs is not None else second_lprobs.new_zeros(tokens.shape)
+            merged_lprobs = torch.where(take, _widened(first_lprobs.to(second_lprobs.dtype), width, 0.0),
+                                        _widened(second_lprobs, width, 0.0))
+        return merged, merged_lprobs
+
+    def update(self, state, feedback) -> None:
+        self.first.update(state, feedback)
+        self.second.update(state, feedback)
+
+    def reorder(self, order, order_host) -> None:
+        self.first.reorder(order, order_host)
+        self.second.reorder(order, order_host)
+
+    def describe(self) -> str:
+        names = [d.describe() if hasattr(d, "describe") else type(d).__name__ for d in (self.first, self.second)]
+        return f"{names[0]}; where it has no draft, {names[1]}"
+
+
 def same_encoder(drafter, verifier) -> bool:
     """Whether ``drafter``'s encoder computes exactly ``verifier``'s: same
     module types and settings, equal tensors (the drafter's extra mask row of
