@@ -6,8 +6,7 @@ registers the models (``specdec_nat``, ``specdec_vsd``,
 ``blockwise_transformer``) and the criteria (``glat_block``,
 ``blockwise_heads``) with fairseq; registers the built-in decodings
 (:data:`fairseq_specdec.generation.build.BUILTIN_DECODINGS`: ``draft-verify``,
-``input-guided``, ``blockwise``, ``ngram``, ``ngram-draft``,
-``loop-greedy``), before the task, whose
+``input-guided``, ``blockwise``, ``ngram``, ``loop-greedy``), before the task, whose
 ``--decoding`` help lists them; and registers the task ``draft_verify``.
 
 The layers import downwards only (``tests/test_imports.py`` checks it):

@@ -42,7 +42,7 @@ import sys
 import time
 from collections import defaultdict
 
-from ..generation.drafters import BlockwiseHeadsDrafter, FallbackDrafter, NoDrafter
+from ..generation.drafters import BlockwiseHeadsDrafter, NoDrafter
 from ..generation.ngram import NgramDrafter
 from ..models.protocol import VerifierStateDrafterModel
 from ..utils.projection import WeightsWatch
@@ -141,41 +141,33 @@ def greedy_components(generator):
 def draft_verify_components(generator):
     """(object, method, name[, required]) of the speculative loop's parts:
     the drafter's (none for loop-greedy; the heads' update for blockwise
-    decoding; both drafters' for ngram-draft) and the verify pass's."""
+    decoding) and the verify pass's."""
     k = generator.block_size
-    yield generator.verifier, "encode", "verifier encoder"
-    yield from drafter_components(generator.drafter, k)
-    yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
-    yield generator.verifier, "_logits", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
-    yield generator.verifier, "rollback", "KV-cache rollback", False
-    yield generator.verifier, "reorder", "row removal", False
-
-
-def drafter_components(drafter, k: int, where: str = ""):
-    """The timed parts of one drafter (``where``: when its pass runs, for a
-    fallback drafter's second)."""
+    drafter = generator.drafter
     model = getattr(drafter, "model", None)
+    yield generator.verifier, "encode", "verifier encoder"
     if isinstance(drafter, NoDrafter):
-        return
-    if isinstance(drafter, FallbackDrafter):
-        yield from drafter_components(drafter.first, drafter.first_k or k)
-        yield from drafter_components(drafter.second, drafter.second_k or k, " where the first has no draft")
+        pass
     elif isinstance(drafter, BlockwiseHeadsDrafter):
         yield drafter, "start_batch", "drafter start of batch (the heads' layout, the shortlist)"
         yield drafter, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
     elif isinstance(drafter, NgramDrafter):
-        yield drafter, "start_batch", "n-gram start of batch (retrieval, the neighbours' table)"
+        yield drafter, "start_batch", "drafter start of batch (retrieval, the neighbours' table)"
         yield drafter, "propose", f"n-gram lookups (up to {k} drafts)"
     elif isinstance(model, VerifierStateDrafterModel):
         yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-        yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection){where}"
+        yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
         yield model, "block_states", f"{SUB}drafter block layers"
         yield drafter, "update", "drafter feedback (the verifier's state)"
     else:
         yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-        yield drafter, "propose", f"drafter pass (prefix + up to {k} masks){where}"
+        yield drafter, "propose", f"drafter pass (prefix + up to {k} masks)"
         decoder = getattr(model, "decoder", None)
         yield decoder, "output_layer", f"{SUB}drafter vocabulary projection (up to {k} rows)"
+    yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
+    yield generator.verifier, "_logits", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
+    yield generator.verifier, "rollback", "KV-cache rollback", False
+    yield generator.verifier, "reorder", "row removal", False
 
 
 def rows_of(label, total, sentences, timers, iterations):
@@ -203,9 +195,6 @@ def main(argv=None):
     parser.add_argument("--loop-greedy", action="store_true", help="also profile greedy decoding through the plugin's loop")
     parser.add_argument("--ngram", action="store_true",
                         help="also profile --decoding ngram (drafts from the --data directory's train split)")
-    parser.add_argument("--ngram-draft", action="store_true",
-                        help="also profile --decoding ngram-draft with --drafter (the corpus's draft where it has "
-                             "one, the drafter's elsewhere)")
     parser.add_argument("--src", default="en")
     parser.add_argument("--tgt", default="de")
     parser.add_argument("--subset", default="test")
@@ -245,12 +234,6 @@ def main(argv=None):
     if args.ngram:
         loops.append(("n-gram corpus strict", dict(common, path=args.verifier,
                                                    extra=["--decoding", "ngram"] + k + args.extra.split())))
-    if args.ngram_draft:
-        if not args.drafter:
-            parser.error("--ngram-draft profiles --decoding ngram-draft with the --drafter checkpoint: give --drafter")
-        loops.append(("n-gram corpus, then draft-verify strict",
-                      dict(common, path=f"{args.verifier}:{args.drafter}",
-                           extra=["--decoding", "ngram-draft"] + k + args.extra.split())))
 
     def calls(timers, prefix):
         return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]

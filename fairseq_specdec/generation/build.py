@@ -11,7 +11,7 @@ from fairseq import checkpoint_utils
 from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
-from .drafters import BlockwiseHeadsDrafter, FallbackDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
+from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .speculative import DraftLengthPolicy, SpeculativeGenerator
@@ -100,9 +100,7 @@ def _split_models(task, models):
     return verifiers[0], drafters
 
 
-def _model_drafter(ctx: DrafterContext, decoding: str) -> BuiltDrafter:
-    """The drafter of the drafter checkpoint (``--drafter-path`` or the second
-    model in ``--path``), with its default block size."""
+def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
     task, verifier, drafters, acceptance = ctx.task, ctx.verifier, ctx.drafters, ctx.acceptance
     cfg = task.cfg
     if cfg.drafter_path and drafters:
@@ -115,7 +113,7 @@ def _model_drafter(ctx: DrafterContext, decoding: str) -> BuiltDrafter:
         model, source = load_drafter(task, cfg.drafter_path, verifier), f"--drafter-path {cfg.drafter_path}"
     else:
         raise ValueError(
-            f"--decoding {decoding} needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
+            "--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
         )
     # drafters built in-process never pass through load_state_dict's check
     check_same_dictionary(
@@ -123,15 +121,8 @@ def _model_drafter(ctx: DrafterContext, decoding: str) -> BuiltDrafter:
     )
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
     drafter = drafter_for_model(model, verifier, need_scores, source, str(getattr(cfg, "draft_precision", "auto")))
-    block_size = drafter.default_block(int(model.train_block_size))
+    block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
-
-
-def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
-    built = _model_drafter(ctx, "draft-verify")
-    if ctx.cfg.block_size is not None:
-        built.block_size = ctx.cfg.block_size
-    return built
 
 
 def _no_drafter_model(ctx: DrafterContext, what: str) -> None:
@@ -170,34 +161,14 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
     )
 
 
-def _corpus_drafter(ctx: DrafterContext) -> NgramDrafter:
+def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    _no_drafter_model(ctx, "drafts from a corpus (--ngram-split)")
     cfg, tgt = ctx.cfg, ctx.task.target_dictionary
     check_ngram_options(cfg.ngram_order, cfg.ngram_neighbours, cfg.ngram_min_confidence)
     corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order)
-    return NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
-
-
-def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
-    _no_drafter_model(ctx, "drafts from a corpus (--ngram-split)")
-    drafter = _corpus_drafter(ctx)
-    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else NGRAM_BLOCK_SIZE
+    drafter = NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
+    block_size = cfg.block_size if cfg.block_size is not None else NGRAM_BLOCK_SIZE
     return BuiltDrafter(drafter, block_size, drafter.describe())
-
-
-def _ngram_then_model_drafter(ctx: DrafterContext) -> BuiltDrafter:
-    if ctx.acceptance.uses_draft_scores:
-        raise ValueError(
-            "--decoding ngram-draft: --verify-score drafter needs every draft's drafter log-probs, and "
-            "the corpus's drafts have none; use --verify-score verifier"
-        )
-    model = _model_drafter(ctx, "ngram-draft")
-    corpus = _corpus_drafter(ctx)
-    # each drafts at most its own default k; --block-size caps both
-    k = ctx.cfg.block_size
-    first_k, second_k = (NGRAM_BLOCK_SIZE, model.block_size) if k is None else (k, k)
-    drafter = FallbackDrafter(corpus, model.drafter, ctx.task.target_dictionary.pad(), first_k, second_k)
-    return BuiltDrafter(drafter, max(first_k, second_k),
-                        f"{corpus.describe()}; where it has no draft, {model.description}")
 
 
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
@@ -236,14 +207,6 @@ BUILTIN_DECODINGS = (
         "(--ngram-split, e.g. the verifier's own distillation), preferring the sentences whose "
         "source is most like this one (retrieval: no drafter model)",
         _ngram_drafter, relaxed=False, bench_label="n-gram corpus",
-    ),
-    Decoding(
-        "ngram-draft",
-        "drafts from a corpus as --decoding ngram does where its draft is confident, and with a "
-        "drafter checkpoint (--drafter-path, as --decoding draft-verify) where it has none: the "
-        "drafter's pass runs only in those iterations",
-        _ngram_then_model_drafter, takes_drafter=True, bench_model="verifier+drafter",
-        bench_label="n-gram corpus, then draft-verify",
     ),
     Decoding(
         "loop-greedy",

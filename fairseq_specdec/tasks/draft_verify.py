@@ -78,7 +78,7 @@ class DraftVerifyConfig(TranslationConfig):
     drafter_path: Optional[str] = field(
         default=None,
         metadata={
-            "help": "drafter checkpoint (specdec_nat or specdec_vsd) for --decoding draft-verify and ngram-draft, "
+            "help": "drafter checkpoint (specdec_nat or specdec_vsd) for --decoding draft-verify, "
             "read once per process (or give it as the second model: --path verifier.pt:drafter.pt)"
         },
     )
@@ -215,26 +215,26 @@ class DraftVerifyConfig(TranslationConfig):
     ngram_split: str = field(
         default="train",
         metadata={
-            "help": "--decoding ngram and ngram-draft: the binarized split of the data directory whose target "
+            "help": "--decoding ngram: the binarized split of the data directory whose target "
             "sentences it drafts from and whose sources it retrieves neighbours by (default train; "
             "best: the verifier's own greedy distillation of its training set)"
         },
     )
     ngram_order: int = field(
         default=4,
-        metadata={"help": "--decoding ngram and ngram-draft: the longest context, in tokens, whose continuation it looks up"},
+        metadata={"help": "--decoding ngram: the longest context, in tokens, whose continuation it looks up"},
     )
     ngram_neighbours: int = field(
         default=20,
         metadata={
-            "help": "--decoding ngram and ngram-draft: corpus sentences retrieved per source sentence (most rare source "
+            "help": "--decoding ngram: corpus sentences retrieved per source sentence (most rare source "
             "tokens in common), whose continuations come first (0: the whole corpus's only)"
         },
     )
     ngram_min_confidence: float = field(
         default=NGRAM_MIN_CONFIDENCE,
         metadata={
-            "help": "--decoding ngram and ngram-draft: a draft stops before the token at which the product of its "
+            "help": "--decoding ngram: a draft stops before the token at which the product of its "
             "tokens' confidences (a continuation seen c times in n occurrences of its context: "
             "c / (n + 1)) would fall below this; a row with no draft confident enough takes a greedy "
             f"step (default {NGRAM_MIN_CONFIDENCE}; 0: always draft k tokens where a context is known)"
@@ -248,8 +248,6 @@ class DraftVerifyConfig(TranslationConfig):
             "specdec_vsd drafter on a CPU where the rowgemm kernel runs: at most 3, so that a pass of k + 1 "
             "rows reads each weight once). "
             "ngram: default 7, a cap (its confidence cut decides how much a row drafts); "
-            "ngram-draft: the corpus drafts up to 7 and the drafter checkpoint up to its default, and "
-            "--block-size caps both; "
             "input-guided: caps the draft length (default: no cap); blockwise: caps the heads used "
             "(default: all); a specdec_vsd drafter drafts at most its --max-block tokens; loop-greedy "
             "never drafts and refuses the option"
