@@ -335,9 +335,9 @@ def test_vsd_block_size_beyond_its_slot_table_is_refused(toy_bin, untrained_veri
 
 @pytest.mark.parametrize("kernel", ["rowgemm", "none"])
 def test_vsd_default_block_size_follows_the_product_kernel(toy_bin, untrained_verifier, untrained_vsd, kernel, monkeypatch):
-    """Without --block-size: k + 1 = the row-blocked kernel's 4 rows where it
-    runs (the untrained drafter says it was trained with k = 4), else the
-    training k; an explicit --block-size always wins."""
+    """Without --block-size: k = 3 (the drafter's KERNEL_BLOCK) where the
+    row-blocked kernel runs (the untrained drafter says it was trained with
+    k = 4), else the training k; an explicit --block-size always wins."""
     from fairseq_specdec.utils import rowgemm
 
     verifier = untrained_verifier[0]

@@ -42,7 +42,7 @@ def test_computes_linear_for_every_panel_and_row_edge(out_features, in_features,
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     lin = rowgemm.PackedLinear(weight, bias, "relu" if relu else None)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 33):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 33):
         x = torch.randn(m, in_features, generator=g)
         got = lin(x)
         assert got.shape == (m, out_features) and got.dtype == torch.float32
@@ -55,6 +55,9 @@ def test_computes_linear_for_every_panel_and_row_edge(out_features, in_features,
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Bitwise, whatever register block the call's number of rows selects
+    (4 x 24 columns up to 4 rows, 6 x 16 up to 6, 8 x 8 up to 8, groups of
+    6 beyond) and wherever the row sits in its group."""
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(7976, 256, generator=g), torch.randn(7976, generator=g)
     lin = rowgemm.PackedLinear(weight, bias)
@@ -63,6 +66,14 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     for i in (0, 3, 4, 17, 36):
         assert torch.equal(lin(x[i : i + 1]), together[i : i + 1])
         assert torch.equal(lin(x[max(0, i - 2) : i + 1])[-1], together[i])
+    for m in range(1, 15):
+        assert torch.equal(lin(x[:m]), together[:m]), m
+    # 5 panels (40 columns): a tail block of fewer panels in the layouts of
+    # 3 and 2 panels a block
+    small = rowgemm.PackedLinear(weight[:40], bias[:40], "relu")
+    alone = torch.cat([small(x[i : i + 1]) for i in range(14)])
+    for m in range(1, 15):
+        assert torch.equal(small(x[:m]), alone[:m]), m
 
 
 @needs_kernel
@@ -141,7 +152,7 @@ def test_fused_layer_refuses_a_cache_too_small_by_name():
 
 
 @pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
-@pytest.mark.parametrize("shape", [(7, 5, 1), (100, 64, 4), (200, 96, 3), (41, 130, 9)])
+@pytest.mark.parametrize("shape", [(7, 5, 1), (100, 64, 4), (200, 96, 3), (41, 130, 9), (50, 40, 6), (33, 70, 8)])
 def test_bfloat16_panels_compute_with_the_weight_rounded_to_bfloat16(shape):
     """A weight packed in bfloat16 gives bitwise what the float32 panels of
     the same weight rounded to bfloat16 (torch's round to nearest even)

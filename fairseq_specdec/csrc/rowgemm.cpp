@@ -8,7 +8,8 @@
 // streams the weight once for all rows: the weight is packed once into
 // panels of 8 columns ([ceil(N/8)][K][8], zero padded), and each block of 3
 // panels (24 columns) is swept over K with 4 rows x 3 vectors of accumulators
-// held in AVX2 registers; further row groups reuse the block from cache.
+// held in AVX2 registers (calls of 5 or more rows: blocks of 2 panels with 6
+// rows x 2 vectors); further row groups reuse the block from cache.
 // While a block computes, the next one is prefetched into the L2 cache, so
 // that streaming the weight from memory and computing on it overlap.
 //
@@ -43,8 +44,20 @@
 namespace {
 
 constexpr int64_t kLanes = 8;    // floats per AVX2 register (and per panel)
-constexpr int kGroupRows = 4;    // rows per register block
-constexpr int kBlockPanels = 3;  // panels per register block
+// The register block a call sweeps its weight with, by its number of rows m
+// (at most 12 accumulators of the 16 AVX2 registers): up to 4 rows x 3
+// panels (24 columns), 5-6 rows x 2 panels, 7-8 rows x 1 panel, so that a
+// call of up to 8 rows reads each weight once; larger calls sweep blocks of
+// 2 panels with groups of 6 rows, the further groups from cache.
+struct Layout {
+  int64_t group_rows, block_panels;
+};
+inline Layout layout_for(int64_t m) {
+  if (m <= 4) return {4, 3};
+  if (m <= 6) return {6, 2};
+  if (m <= 8) return {8, 1};
+  return {6, 2};
+}
 
 bool cpu_supported() {
 #ifdef ROWGEMM_X86
@@ -94,7 +107,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
     __m256 wv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) wv[v] = load_lanes(w + v * panel_stride + k * kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m256 xb = _mm256_broadcast_ss(xt + k * R + i);
 #pragma GCC unroll 4
@@ -111,6 +124,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
     _mm256_store_ps(out + a * kLanes, r);
   }
   const int64_t n = ncols < NV * kLanes ? ncols : NV * kLanes;
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * NV * kLanes, n * sizeof(float));
 }
 
@@ -128,7 +142,18 @@ void rows_block(int rows, const float* xt, int64_t K, const WT* w, int64_t panel
     case 1: block<1, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
     case 2: block<2, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
     case 3: block<3, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
-    default: block<4, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    case 4: block<4, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break;
+    default:
+      // more rows only in blocks of fewer panels (layout_for): 6 x 3 would spill registers
+      if constexpr (NV <= 2) {
+        if (rows == 5) { block<5, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break; }
+        if (rows == 6) { block<6, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break; }
+      }
+      if constexpr (NV == 1) {
+        if (rows == 7) { block<7, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break; }
+        if (rows == 8) { block<8, NV, WT>(xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next); break; }
+      }
+      TORCH_CHECK(false, "rowgemm: no register block of ", rows, " rows x ", NV, " panels");
   }
 }
 #endif
@@ -190,33 +215,35 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
       }
     return;
   }
-  // rows interleaved per group of 4: xt[g][k][r]
-  const int64_t groups = (m + kGroupRows - 1) / kGroupRows;
-  std::vector<float> xt(static_cast<size_t>(groups * K * kGroupRows));
+  // rows interleaved per group: xt[g][k][r]
+  const Layout lay = layout_for(m);
+  const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
+  const int64_t groups = (m + group_rows - 1) / group_rows;
+  std::vector<float> xt(static_cast<size_t>(groups * K * group_rows));
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t rows = std::min<int64_t>(kGroupRows, m - g * kGroupRows);
-    float* dst = xt.data() + g * K * kGroupRows;
+    const int64_t rows = std::min<int64_t>(group_rows, m - g * group_rows);
+    float* dst = xt.data() + g * K * group_rows;
     for (int64_t r = 0; r < rows; ++r) {
-      const float* src = xs + (g * kGroupRows + r) * K;
+      const float* src = xs + (g * group_rows + r) * K;
       for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = src[k];
     }
   }
   const float* xd = xt.data();
   const int64_t panel_stride = K * kLanes;
-  const int64_t nblocks = (P + kBlockPanels - 1) / kBlockPanels;
+  const int64_t nblocks = (P + block_panels - 1) / block_panels;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t p = blk * kBlockPanels;
-      const int64_t nv = std::min<int64_t>(kBlockPanels, P - p);
+      const int64_t p = blk * block_panels;
+      const int64_t nv = std::min<int64_t>(block_panels, P - p);
       const int64_t col = p * kLanes;
       const WT* wb = w + p * panel_stride;
       const float* bb = b != nullptr ? b + col : nullptr;
       // the next block of this thread's range is fetched during the first row group
-      const WT* next = blk + 1 < b1 && nv == kBlockPanels ? wb + kBlockPanels * panel_stride : nullptr;
+      const WT* next = blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
       for (int64_t g = 0; g < groups; ++g) {
-        const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m - g * kGroupRows));
-        const float* xg = xd + g * K * kGroupRows;
-        float* yg = yd + g * kGroupRows * ldy + col;
+        const int rows = static_cast<int>(std::min<int64_t>(group_rows, m - g * group_rows));
+        const float* xg = xd + g * K * group_rows;
+        float* yg = yd + g * group_rows * ldy + col;
         const int64_t ncols = N - col;
         const WT* pf = g == 0 ? next : nullptr;
         if (nv == 3) rows_block<3, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);

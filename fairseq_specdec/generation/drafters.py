@@ -573,14 +573,19 @@ class VerifierStateDrafter(Drafter):
         )
         return self.projection.pick(states)
 
+    #: the default draft length where the row-blocked kernel computes the
+    #: passes: with the demo's drafter, drafts of 4-5 tokens added few
+    #: accepted tokens over 3 and were no faster, although a pass of up to
+    #: 8 rows reads each weight once (docs/verify-kernels.md, "Register blocks
+    #: for 5 to 8 rows")
+    KERNEL_BLOCK = 3
+
     def default_block(self, trained: int) -> int:
-        """Where the products run through the row-blocked kernel, k + 1 fits
-        its row block (k = 3: a drafting pass of 1 + k rows and a verify
-        pass of k + 1 rows each read every weight once; more rows read them
-        again, for drafts that the confidence cut mostly drops; measured in
-        docs/results/2026-11-24-ac22bea-vsd-block-size.md); elsewhere the
-        training k."""
-        return rowgemm.fitting_block(self.model.output_weight, trained)
+        """Where the products run through the row-blocked kernel, at most
+        :attr:`KERNEL_BLOCK` (a drafting pass of 1 + k rows and a verify pass
+        of k + 1 rows each read every weight once; longer drafts are mostly
+        rejected); elsewhere the training k."""
+        return rowgemm.fitting_block(self.model.output_weight, trained, self.KERNEL_BLOCK)
 
     def describe(self) -> str:
         shortlist = self.model.cfg.shortlist

@@ -245,8 +245,8 @@ class DraftVerifyConfig(TranslationConfig):
         metadata={
             "help": f"block size k: tokens the drafter predicts per pass. Training: the block of "
             f"masked targets (default {DEFAULT_BLOCK_SIZE}); decoding default: the drafter's training k (a "
-            "specdec_vsd drafter on a CPU where the rowgemm kernel runs: at most 3, so that a pass of k + 1 "
-            "rows reads each weight once). "
+            "specdec_vsd drafter on a CPU where the rowgemm kernel runs: at most 3, where it measured "
+            "fastest). "
             "ngram: default 7, a cap (its confidence cut decides how much a row drafts); "
             "input-guided: caps the draft length (default: no cap); blockwise: caps the heads used "
             "(default: all); a specdec_vsd drafter drafts at most its --max-block tokens; loop-greedy "

@@ -5,8 +5,10 @@ A BLAS picks its kernel by shape, and on the CPUs measured here a product of
 4 rows against a large weight costs 2-5x one of 1 row although reading the
 weight dominates both (docs/verify-kernels.md).  The extension streams each
 weight once for all rows: :class:`PackedLinear` packs an ``nn.Linear``'s
-weight once into panels of 8 columns, and a call sweeps them with 4 rows x 24
-columns of accumulators in AVX2 registers.
+weight once into panels of 8 columns, and a call sweeps them with a register
+block of accumulators in AVX2 registers sized by its rows: 4 rows x 24
+columns up to 4 rows, 6 x 16 up to 6, 8 x 8 up to 8, so that a call of up
+to 8 rows reads each weight once.
 
 **Arithmetic.** Each output element is the in-order float32 sum over the
 input features of ``x[i, k] * W[n, k]`` (fused multiply-adds from 0), plus
@@ -42,8 +44,9 @@ else:
     _IMPORT_ERROR = None
 
 #: rows one sweep of a weight computes: a call of up to this many rows reads
-#: each weight once, one of more rows reads it once per started block
-ROW_BLOCK = 4
+#: each weight once; a larger call sweeps blocks with groups of 6 rows, the
+#: further groups from the caches
+ROW_BLOCK = 8
 
 #: fused activations of :meth:`PackedLinear.__call__`
 ACTIVATIONS = {None: 0, "relu": 1}
@@ -52,11 +55,12 @@ ACTIVATIONS = {None: 0, "relu": 1}
 PRECISIONS = ("float32", "bfloat16")
 
 
-def fitting_block(weight: Tensor, k: int) -> int:
+def fitting_block(weight: Tensor, k: int, most: int) -> int:
     """A draft length for passes over ``weight``'s model: where the kernel
-    computes them (:func:`applies_to`), at most ``ROW_BLOCK - 1``, so that a
-    verify pass of k + 1 rows reads each weight once; elsewhere ``k``."""
-    return max(1, min(k, ROW_BLOCK - 1)) if applies_to(weight) else k
+    computes them (:func:`applies_to`), at most ``most`` (itself at most
+    ``ROW_BLOCK - 1``, so that a verify pass of k + 1 rows reads each weight
+    once); elsewhere ``k``."""
+    return max(1, min(k, most, ROW_BLOCK - 1)) if applies_to(weight) else k
 
 
 #: whether this CPU runs the kernel (asked once: the answer cannot change)
