@@ -19,7 +19,7 @@ $(STAMP): setup.py $(wildcard fairseq_specdec/csrc/*.cpp)
 	touch $(STAMP)
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v --durations=15 tests
 
 test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v -m "not slow" tests
