@@ -8,8 +8,8 @@
 // streams the weight once for all rows: the weight is packed once into
 // panels of 8 columns ([ceil(N/8)][K][8], zero padded), and each block of 3
 // panels (24 columns) is swept over K with 4 rows x 3 vectors of accumulators
-// held in AVX2 registers (calls of 5 or more rows: blocks of 2 panels with 6
-// rows x 2 vectors); further row groups reuse the block from cache.
+// held in AVX2 registers (calls of more rows use blocks of fewer panels:
+// layout_for); further row groups reuse the block from cache.
 // While a block computes, the next one is prefetched into the L2 cache, so
 // that streaming the weight from memory and computing on it overlap.
 //
