@@ -98,7 +98,7 @@ def test_spare_rows_and_scratch_never_reach_the_output(verifier, beam1_reference
 
 @pytest.mark.slow
 def test_batches_over_max_rows_run_the_lean_pass_as_it_is(verifier, beam1_reference):
-    """What --cuda-graphs auto does on a GPU (max_rows 1), here without graphs."""
+    """What --cuda-graphs auto does with a half-precision verifier on a GPU (max_rows 1), here without graphs."""
     model, task = verifier
     d = task.target_dictionary
     for bsz, dynamic in ((1, False), (3, True)):
@@ -110,9 +110,44 @@ def test_batches_over_max_rows_run_the_lean_pass_as_it_is(verifier, beam1_refere
     assert "for batches of at most 1 sentence" in static.describe()
 
 
+def test_auto_resolves_to_what_was_measured():
+    """--cuda-graphs auto: whole iterations and the verify pass's graphs at
+    every batch size for a float32 CUDA verifier (measured on an H200), the
+    verify pass's graphs at batch 1 in half precision, nothing on a CPU or
+    where the lean pass computes with rowgemm or the lean encoder."""
+    from fairseq_specdec.generation.verify_passes import AUTO_GRAPH_ROWS, resolve_cuda_graphs
+
+    assert resolve_cuda_graphs("auto", "cuda", torch.float32) == ("iteration", None)
+    for half in (torch.float16, torch.bfloat16):
+        assert resolve_cuda_graphs("auto", "cuda", half) == ("on", AUTO_GRAPH_ROWS) == ("on", 1)
+    assert resolve_cuda_graphs("auto", "cpu", torch.float32) == ("off", None)
+    assert resolve_cuda_graphs("auto", "cuda", torch.float32, gemm="rowgemm") == ("off", None)
+    assert resolve_cuda_graphs("auto", "cuda", torch.float32, encoder="lean") == ("off", None)
+    for choice in ("on", "off", "static", "iteration"):  # an explicit choice is itself, on any device
+        assert resolve_cuda_graphs(choice, "cpu", torch.float16) == (choice, None)
+    with pytest.raises(ValueError, match="--cuda-graphs must be one of"):
+        resolve_cuda_graphs("yes", "cuda", torch.float32)
+
+
+def test_the_loop_runs_whole_iterations_where_the_verifier_chose_them(verifier):
+    """The generator asks the verify pass which choice it stands for: whole
+    iterations (eager on a CPU under static) for a drafter on fixed buffers."""
+    model, task = verifier
+    d = task.target_dictionary
+    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
+    from fairseq_specdec.generation.drafters import NoDrafter
+
+    for graphs, whole in (("static", True), ("off", False), ("auto", False)):
+        gen = SpeculativeGenerator(model, NoDrafter(), StrictAcceptance(), d, block_size=1, cuda_graphs=graphs,
+                                   verify_gemm="torch")
+        assert (gen.iteration_graphs is not None) == whole, graphs
+        if whole:
+            assert gen.verifier.choice == "static" and not gen.iteration_graphs.graphs
+
+
 def test_refusals(verifier):
     model, _ = verifier
-    assert type(build_verifier(model, graphs="auto")) is LeanVerifier  # auto: off until measured to win
+    assert type(build_verifier(model, graphs="auto")) is LeanVerifier  # auto: no graphs on a CPU
     assert type(build_verifier(model, graphs="off")) is LeanVerifier
     static = build_verifier(model, graphs="static", gemm="torch")
     assert type(static) is StaticVerifier and not static.graphs

@@ -176,10 +176,12 @@ class SpeculativeGenerator:
         self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm, cuda_graphs, encoder_impl)
         self.drafter = drafter
         #: whole iterations of batches of one sentence on fixed buffers (--cuda-graphs static
-        #: runs them eagerly, iteration captures them), where the drafter can work on such buffers
+        #: runs them eagerly; iteration, and auto where it resolves to iteration, captures
+        #: them), where the drafter can work on such buffers
         self.iteration_graphs = None
-        if cuda_graphs in ("static", "iteration") and isinstance(self.verifier, StaticVerifier) and drafter.static_inputs():
-            self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32, graphs=cuda_graphs == "iteration")
+        choice = self.verifier.choice if isinstance(self.verifier, StaticVerifier) else None
+        if choice in ("static", "iteration") and drafter.static_inputs():
+            self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32, graphs=choice == "iteration")
         self.acceptance = acceptance
         #: steps 2-3 after the verify pass as one call of the extension
         #: (``--accept-impl``): where the verifier's log-probs are float32 on a

@@ -73,11 +73,15 @@ class StaticVerifier(LeanVerifier):
 
     ``max_rows`` (None: no limit): a batch of more sentences than this runs
     the lean pass as it is (dynamic shapes, no graphs) from its start to its
-    end; ``--cuda-graphs auto`` sets 1, the batch size where graphs were
-    measured to win.  ``option``: the ``--cuda-graphs`` value messages name."""
+    end; ``--cuda-graphs auto`` sets 1 for a half-precision verifier
+    (:func:`~fairseq_specdec.generation.verify_passes.resolve_cuda_graphs`).
+    ``option``: the ``--cuda-graphs`` value messages name; ``choice`` (default:
+    ``option``): the choice it stands for, ``on``, ``static`` or
+    ``iteration`` (the loop captures or runs whole iterations where it is
+    ``iteration`` or ``static``)."""
 
     def __init__(self, model, temperature: float = 1.0, graphs: bool = False, max_rows: Optional[int] = None,
-                 option: str = "on"):
+                 option: str = "on", choice: Optional[str] = None):
         super().__init__(model, temperature, gemm="torch")
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
@@ -86,6 +90,7 @@ class StaticVerifier(LeanVerifier):
                 "--cuda-graphs static runs the same static-shape pass without graphs anywhere"
             )
         self.graphs = graphs
+        self.choice = choice or option
         self.max_rows = max_rows
         #: this batch runs the lean pass as it is (more rows than max_rows)
         self.dynamic = False
