@@ -42,9 +42,10 @@ gec-demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/run-gec-demo.sh
 
 # the GPU kit (.gpu-kit): the wheels a bare GPU machine lacks and the prepared
-# data, for scripts/gpu-run.sh there (docs/gpu.md)
+# data, for scripts/gpu-run.sh there (docs/gpu.md); KIT_ARGS: more options of
+# scripts/gpu-kit.sh, e.g. KIT_ARGS="--models runs/multi30k.en-de --half-weights"
 gpu-kit: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/gpu-kit.sh
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/gpu-kit.sh $(KIT_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,26 +9,42 @@
 #             (scripts/prepare-multi30k.sh): bin/ (train, valid, test and the
 #             joined dictionary), bpe/ train and val text (distillation reads
 #             it), tok/ and raw/ test references (tokenized BLEU, sacreBLEU)
+#   run/      with --models only: models trained before (a finished run
+#             folder of the Multi30k recipe, e.g. make demo's), so that the
+#             GPU run benchmarks them and trains nothing
 #   MANIFEST.txt  what is in the kit, its size, the commit it was made from
 # The run script and the configs are in the checkout, which travels with the kit.
 #
-# Usage: scripts/gpu-kit.sh [--out DIR] [--no-wheels]
-#   --out DIR    the kit folder (default .gpu-kit, ignored by git)
-#   --no-wheels  skip the wheel download (a kit for a machine that has fairseq)
+# Usage: scripts/gpu-kit.sh [--out DIR] [--no-wheels] [--models RUN_DIR [--half-weights]]
+#   --out DIR        the kit folder (default .gpu-kit, ignored by git)
+#   --no-wheels      skip the wheel download (a kit for a machine that has fairseq)
+#   --models RUN_DIR pack the models KIT_MODELS names from RUN_DIR (verifier/
+#                    checkpoint_best.pt, vsd/checkpoint_last.pt, blockwise/
+#                    checkpoint_best.pt, drafter/checkpoint_selected.pt) into
+#                    run/, without optimizer state (scripts/pack-checkpoint.py),
+#                    with the data they were trained on (RUN_DIR/distill/bin:
+#                    dictionaries, test split, train split for ngram); the
+#                    kit's data then holds only the test references
+#   --half-weights   store the packed models' float weights in float16 (half the
+#                    size; they decode in float32, rounded to float16 values)
 # Environment: PYTHON (python), PIP (default "$PYTHON -m pip"), DATA (the
 #   prepared data, default data/multi30k.en-de, made when missing),
 #   MULTI30K_RAW (see prepare-multi30k.sh), KIT_MAX_MB (48: the kit travels
-#   with the checkout, at most 64 MiB together).
+#   with the checkout, at most 64 MiB together; with --models 60),
+#   KIT_MODELS (with --models: "verifier vsd blockwise", any of those and
+#   drafter).
 # Idempotent: wheels already downloaded and data already prepared are kept.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 
-KIT=$HERE/.gpu-kit WHEELS=1
+KIT=$HERE/.gpu-kit WHEELS=1 MODELS="" HALF=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) [ $# -ge 2 ] || { echo "gpu-kit.sh: --out needs a folder" >&2; exit 2; }; KIT=$2; shift ;;
     --no-wheels) WHEELS=0 ;;
+    --models) [ $# -ge 2 ] || { echo "gpu-kit.sh: --models needs a run folder" >&2; exit 2; }; MODELS=$2; shift ;;
+    --half-weights) HALF=--half-weights ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu-kit.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -38,6 +54,20 @@ PY=${PYTHON:-python}
 read -r -a PIP <<< "${PIP:-$PY -m pip}"
 DATA=${DATA:-$HERE/data/multi30k.en-de}
 MAX_MB=${KIT_MAX_MB:-48}
+if [ -n "$HALF" ] && [ -z "$MODELS" ]; then echo "gpu-kit.sh: --half-weights packs the models of --models RUN_DIR; give one" >&2; exit 2; fi
+if [ -n "$MODELS" ]; then
+  MAX_MB=${KIT_MAX_MB:-60}
+  [ -f "$MODELS/verifier/checkpoint_best.pt" ] || { echo "gpu-kit.sh: --models $MODELS: no verifier/checkpoint_best.pt (a finished run of scripts/run-multi30k.sh)" >&2; exit 2; }
+  [ -f "$MODELS/distill/bin/dict.en.txt" ] || { echo "gpu-kit.sh: --models $MODELS: no distill/bin/dict.en.txt (the data its models were trained on)" >&2; exit 2; }
+  # model -> its checkpoint in a run folder (the files scripts/run-multi30k.sh benchmarks)
+  declare -A CKPT=([verifier]=verifier/checkpoint_best.pt [vsd]=vsd/checkpoint_last.pt
+                   [blockwise]=blockwise/checkpoint_best.pt [drafter]=drafter/checkpoint_selected.pt)
+  read -r -a PACK <<< "${KIT_MODELS:-verifier vsd blockwise}"
+  for m in "${PACK[@]}"; do
+    [ -n "${CKPT[$m]:-}" ] || { echo "gpu-kit.sh: KIT_MODELS: unknown model '$m' (verifier vsd blockwise drafter)" >&2; exit 2; }
+    [ -f "$MODELS/${CKPT[$m]}" ] || { echo "gpu-kit.sh: --models $MODELS: no ${CKPT[$m]} (KIT_MODELS names $m)" >&2; exit 2; }
+  done
+fi
 WHEEL_LIST=$HERE/configs/gpu-kit-wheels.txt
 SRC=en TGT=de
 T0=$(date +%s) LOG_TAG=gpu-kit OUT=$KIT
@@ -50,7 +80,15 @@ if [ ! -s "$DATA/bin/test.$SRC-$TGT.$TGT.bin" ]; then
   log "preparing Multi30k $SRC-$TGT into $DATA"
   OUT_DIR=$DATA bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
 fi
-if [ ! -s "$KIT/data/bin/test.$SRC-$TGT.$TGT.bin" ]; then
+if [ -n "$MODELS" ]; then
+  # the packed models' own data (their dictionaries) is in run/distill/bin:
+  # the kit's data is only the test references
+  log "copying the test references into $KIT/data"
+  rm -rf "$KIT/data.part" && mkdir -p "$KIT/data.part"/{bin,tok,raw}
+  cp "$DATA/tok/test_2016_flickr.$TGT" "$KIT/data.part/tok/"
+  cp "$(raw_multi30k)/test_2016_flickr.$TGT.gz" "$KIT/data.part/raw/"
+  rm -rf "$KIT/data" && mv "$KIT/data.part" "$KIT/data"
+elif [ ! -s "$KIT/data/bin/test.$SRC-$TGT.$TGT.bin" ]; then
   log "copying the prepared data into $KIT/data"
   rm -rf "$KIT/data.part" && mkdir -p "$KIT/data.part"/{bpe,tok,raw}
   cp -r "$DATA/bin" "$KIT/data.part/bin"
@@ -60,6 +98,23 @@ if [ ! -s "$KIT/data/bin/test.$SRC-$TGT.$TGT.bin" ]; then
   cp "$DATA/tok/test_2016_flickr.$TGT" "$KIT/data.part/tok/"
   cp "$(raw_multi30k)/test_2016_flickr.$TGT.gz" "$KIT/data.part/raw/"
   rm -rf "$KIT/data" && mv "$KIT/data.part" "$KIT/data"
+fi
+
+# 1b. models trained before (--models): packed, each stage marked done
+rm -rf "$KIT/run"
+if [ -n "$MODELS" ]; then
+  rm -rf "$KIT/run.part" && mkdir -p "$KIT/run.part/distill/bin"
+  for f in "$MODELS"/distill/bin/dict.*.txt "$MODELS"/distill/bin/{test,train}.*; do
+    [ -f "$f" ] && cp "$f" "$KIT/run.part/distill/bin/"
+  done
+  touch "$KIT/run.part/distill/DONE"
+  for m in "${PACK[@]}"; do
+    log "packing $m: $MODELS/${CKPT[$m]}${HALF:+ (float weights in float16)}"
+    "$PY" "$HERE/scripts/pack-checkpoint.py" "$MODELS/${CKPT[$m]}" "$KIT/run.part/${CKPT[$m]}" $HALF
+    touch "$KIT/run.part/$m/DONE"
+  done
+  echo "models packed from $MODELS (${PACK[*]})${HALF:+, float weights stored in float16}" > "$KIT/run.part/ORIGIN.txt"
+  mv "$KIT/run.part" "$KIT/run"
 fi
 
 # 2. the wheels (CPython 3.12, x86-64 manylinux), one version of each
@@ -101,5 +156,6 @@ if [ "$kb" -gt $((MAX_MB * 1024)) ]; then
   exit 1
 fi
 [ "$WHEELS" = 1 ] || log "no wheels (--no-wheels): the GPU machine must have fairseq-fixed and its needs"
+[ -z "$MODELS" ] || log "models: $KIT/run (${PACK[*]}): scripts/gpu-run.sh benchmarks them and trains nothing"
 log "kit ready: $KIT ($((kb / 1024)) MiB, contents in $KIT/MANIFEST.txt)"
 log "on the GPU machine, from the checkout's root: bash scripts/gpu-run.sh OUT_DIR   (the kit folder travels with it)"

@@ -11,11 +11,13 @@
 #          checkpoint averaging)
 #   bench  scripts/benchmark.py on the GPU at batch 1: fairseq beam 5 and
 #          beam 1, loop-greedy, n-gram drafting from the distillation, strict and relaxed draft-verify with the
-#          specdec_vsd drafter, blockwise, each of the plugin's rows also
-#          with its whole iterations captured (--cuda-graphs iteration);
+#          specdec_vsd drafter, blockwise (the plugin's rows with the
+#          default --cuda-graphs auto, and the rows it captures whole
+#          iterations of again with --cuda-graphs on, the verify pass alone);
 #          Tok., ms/sentence, sacreBLEU, peak GPU memory, identity with
 #          --beam 1 in the same precision
-#   batched  the same at batch 8 and 64 (KIT_BATCHED), without relaxed rows
+#   batched  the same at batch 8 and 64 (KIT_BATCHED), without relaxed rows,
+#          every row of the plugin again with --cuda-graphs off
 # Everything it reports goes to OUT_DIR, at most 8 files: gpu-run.log (this
 # run's log), env.txt, summary.md (machine, stage times, what each training
 # reached, the tables and the ratios of the GPU targets), results.md and
@@ -30,7 +32,9 @@
 #              GPU needed)
 #   --phase    all (default: the three below), train, bench or batched: on a
 #              machine lent in 10-minute calls, one phase per call, in order
-#   --kit DIR  the kit folder (default .gpu-kit)
+#   --kit DIR  the kit folder (default .gpu-kit); a kit made with --models
+#              (scripts/gpu-kit.sh) carries trained models in DIR/run: RUN is
+#              DIR/run, phase all is bench and batched, and nothing is trained
 # Environment: CONFIG (configs/multi30k-gpu-kit.sh), KIT_MODEL (small|base,
 #   see the config), RUN (runs/gpu-kit.KIT_MODEL), SITE (/tmp/gpu-kit-site),
 #   PYTHON (python3), KIT_BATCHED (8,64), PHASE_SECONDS (540: each phase's
@@ -66,6 +70,15 @@ KIT=$(cd "$(dirname "$KIT")" && pwd)/$(basename "$KIT")
 export CONFIG=${CONFIG:-$HERE/configs/multi30k-gpu-kit.sh}
 [ -f "$CONFIG" ] || { echo "gpu-run.sh: no such config: $CONFIG" >&2; exit 2; }
 export KIT_MODEL=${KIT_MODEL:-small}
+# a kit made with --models carries trained models in KIT/run: they are
+# benchmarked, nothing is trained
+MODELS=0
+if [ -d "$KIT/run" ]; then
+  MODELS=1
+  export MODELS_GIVEN=1  # scripts/run-multi30k.sh: rows only for the models there, also in a dry run
+  export RUN=${RUN:-$KIT/run}
+  [ "$PHASE" = all ] && PHASES=(bench batched)
+fi
 export RUN=${RUN:-$HERE/runs/gpu-kit.$KIT_MODEL}
 export SITE=${SITE:-/tmp/gpu-kit-site}
 export PYTHON=${PYTHON:-python3}
@@ -82,6 +95,10 @@ esac
 # phase NAME [--dry-run]: the recipe's stages of one phase, with its benchmark's settings
 phase() {
   local name=$1; shift
+  if [ "$name" = train ] && [ "$MODELS" = 1 ]; then
+    echo "# phase train: the kit carries trained models ($(cat "$KIT/run/ORIGIN.txt" 2>/dev/null)); nothing to train"
+    return 0
+  fi
   case "$name" in
     # shellcheck disable=SC2086  # TRAIN_STAGES: one word per stage
     train) bash "$HERE/scripts/run-multi30k.sh" "$@" $TRAIN_STAGES ;;
@@ -173,7 +190,7 @@ collect() {
 trap collect EXIT
 
 export -f phase
-export HERE RUN BATCHED TRAIN_STAGES
+export HERE RUN BATCHED TRAIN_STAGES MODELS KIT
 for p in "${PHASES[@]}"; do
   t=$(date +%s) status=0
   timeout "$PHASE_SECONDS" bash -c 'phase "$1"' _ "$p" || status=$?

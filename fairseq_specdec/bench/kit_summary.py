@@ -145,6 +145,9 @@ def summary(run: str, log: Optional[str], env: Optional[str], benches: Optional[
     if times:
         out += ["| stage | minutes |", "|---|---|"] + [f"| {name} | {minutes:.1f} |" for name, minutes in times] + [""]
     caps = {m.group(1): m.groups() for m in map(CAP_LINE.search, log_lines) if m}
+    origin = os.path.join(run, "ORIGIN.txt")  # a kit made with --models: trained elsewhere
+    if os.path.exists(origin):
+        out += ["Models: " + open(origin).read().strip() + " (trained before this run, not here).", ""]
     out += ["| model | updates | updates/s | cut by its cap | last validation |", "|---|---|---|---|---|"]
     for name in TRAININGS:
         got = training_outcome(os.path.join(run, f"{name}.log"))
