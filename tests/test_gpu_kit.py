@@ -179,9 +179,10 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
     assert distill[3].endswith(".gpu-kit/data/bin") and distill[4].endswith(".gpu-kit/data/bpe")
     assert "CPU=0" in out and "MAX_TOKENS=16000" in out
     bench1, batched = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
-    # whole-iteration graphs: at batch 1 only where they differ from the default, at 8 and 64 for every row
-    variants = {"benchmark": "iteration:loop-greedy,strict,relaxed=--cuda-graphs=iteration",
-                "benchmark-batched": "iteration=--cuda-graphs=iteration"}
+    # without what the default adds: at batch 1 the verify pass's graphs alone where auto captures whole
+    # iterations, at 8 and 64 no graphs, for every row
+    variants = {"benchmark": "on:loop-greedy,strict,relaxed=--cuda-graphs=on",
+                "benchmark-batched": "off=--cuda-graphs=off"}
     for bench, sizes, out_dir in ((bench1, "1", "benchmark"), (batched, "8,64", "benchmark-batched")):
         opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
         assert opt("--device") == "auto" and opt("--batch-sizes") == sizes and opt("--jobs") == "1"
@@ -290,3 +291,123 @@ def test_report_of_a_benchmark_cut_short_lists_the_rows_it_finished(tmp_path):
     assert "| greedy | 1 | 5.00 | 2.50x | 1.00 | 38.20 |  | no (3 differ) |" in text
     assert "| verifier | not trained |" in text
     assert "## Benchmark: batched: not run" in text
+    assert "Models:" not in text
+    # a kit's packed models say where they came from
+    (tmp_path / "ORIGIN.txt").write_text("models packed from runs/x (verifier vsd)\n")
+    text = kit_summary.summary(str(tmp_path), None, None, [str(bench)])
+    assert "Models: models packed from runs/x (verifier vsd) (trained before this run, not here)." in text
+
+
+# ---------------------------------------------------------------- models trained before (--models)
+def load_state(path):
+    from fairseq import checkpoint_utils
+
+    return checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def storage_groups(model_state):
+    """The keys of each storage: which tensors are tied."""
+    groups = {}
+    for k, v in model_state.items():
+        groups.setdefault(v.untyped_storage().data_ptr(), []).append(k)
+    return sorted(sorted(g) for g in groups.values())
+
+
+@pytest.mark.slow  # the toy verifier
+@pytest.mark.parametrize("half", [False, True])
+def test_packed_checkpoint_loads_without_optimizer_state(tmp_path, ar_checkpoint, half):
+    import torch
+
+    dst = tmp_path / "sub" / "packed.pt"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), ar_checkpoint, str(dst)]
+                          + (["--half-weights"] if half else []), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    src, packed = load_state(ar_checkpoint), load_state(dst)
+    assert "last_optimizer_state" in src and "last_optimizer_state" not in packed
+    assert os.path.getsize(dst) < os.path.getsize(ar_checkpoint)
+    assert storage_groups(packed["model"]) == storage_groups(src["model"])  # tied weights stay tied
+    assert packed["model"].keys() == src["model"].keys()
+    for k, v in src["model"].items():
+        want = v.half() if half and v.is_floating_point() else v
+        assert packed["model"][k].dtype == want.dtype and torch.equal(packed["model"][k], want), k
+    # it loads as a model in float32, with the rounded weights
+    from fairseq import checkpoint_utils
+
+    models, _ = checkpoint_utils.load_model_ensemble([str(dst)])
+    weight = models[0].decoder.output_projection.weight
+    assert weight.dtype == torch.float32
+    assert torch.equal(weight, src["model"]["decoder.output_projection.weight"].half().float() if half
+                       else src["model"]["decoder.output_projection.weight"])
+
+
+def test_pack_refuses_a_missing_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), str(tmp_path / "no.pt"),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no such checkpoint" in proc.stderr and not (tmp_path / "out.pt").exists()
+
+
+def trained_run(tmp_path, checkpoint):
+    """A finished run folder of the Multi30k recipe, its models the toy verifier."""
+    import shutil
+
+    run = tmp_path / "trained"
+    for sub in ("verifier", "vsd", "distill/bin"):
+        (run / sub).mkdir(parents=True)
+    shutil.copy(checkpoint, run / "verifier" / "checkpoint_best.pt")
+    shutil.copy(checkpoint, run / "vsd" / "checkpoint_last.pt")
+    for name in ("dict.en.txt", "dict.de.txt", "test.en-de.en.bin", "train.en-de.de.idx", "valid.en-de.en.bin"):
+        (run / "distill" / "bin" / name).write_text("x\n")
+    return run
+
+
+@pytest.mark.slow  # the toy verifier
+def test_kit_with_models_benchmarks_them_and_trains_nothing(tmp_path, prepared, ar_checkpoint):
+    run = trained_run(tmp_path, ar_checkpoint)
+    proc = build_kit(tmp_path, prepared, "--no-wheels", "--models", str(run), "--half-weights",
+                     PYTHON=sys.executable, KIT_MODELS="verifier vsd")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kit = tmp_path / "kit"
+    for path in ("run/verifier/checkpoint_best.pt", "run/vsd/checkpoint_last.pt", "run/verifier/DONE", "run/vsd/DONE",
+                 "run/distill/DONE", "run/distill/bin/dict.en.txt", "run/distill/bin/test.en-de.en.bin",
+                 "run/distill/bin/train.en-de.de.idx", "data/raw/test_2016_flickr.de.gz", "data/tok/test_2016_flickr.de"):
+        assert (kit / path).is_file(), path
+    assert not (kit / "run" / "distill" / "bin" / "valid.en-de.en.bin").exists()  # nothing decoding does not read
+    assert not (kit / "data" / "bpe").exists() and not (kit / "data" / "bin" / "dict.en.txt").exists()
+    assert not (kit / "run" / "blockwise").exists()  # KIT_MODELS leaves it out
+    assert "float16" in (kit / "run" / "ORIGIN.txt").read_text()
+    assert load_state(kit / "run" / "vsd" / "checkpoint_last.pt")["model"]["decoder.output_projection.weight"].dtype \
+        == __import__("torch").float16
+    assert "run/verifier/checkpoint_best.pt" in (kit / "MANIFEST.txt").read_text()
+    # the run script benchmarks the kit's models at batch 1, then 8 and 64; nothing trained or distilled
+    out = dry_run(tmp_path, "--kit", str(kit))
+    assert "fairseq-train" not in out and "distill.sh" not in out and "nothing to train" not in out
+    benches = [argv for _, argv in commands(out) if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
+    assert len(benches) == 2
+    for bench in benches:
+        opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
+        assert opt("--verifier") == f"{kit}/run/verifier/checkpoint_best.pt"
+        assert opt("--data") == f"{kit}/run/distill/bin" and opt("--out").startswith(f"{kit}/run/benchmark")
+        assert "blockwise" not in opt("--rows")
+    train = dry_run(tmp_path, "--kit", str(kit), "--phase", "train")
+    assert "fairseq-train" not in train and "nothing to train" in train
+    # a kit built again without --models is a training kit again
+    proc = build_kit(tmp_path, prepared, "--no-wheels")
+    assert proc.returncode == 0 and not (kit / "run").exists() and (kit / "data" / "bin" / "dict.en.txt").is_file()
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--half-weights"], {}, "--half-weights packs the models of --models RUN_DIR"),
+    (["--models", "NOWHERE"], {}, "no verifier/checkpoint_best.pt"),
+    (["--models", "RUN"], {"KIT_MODELS": "verifier ctc"}, "KIT_MODELS: unknown model 'ctc'"),
+    (["--models", "RUN"], {"KIT_MODELS": "verifier blockwise"}, "no blockwise/checkpoint_best.pt (KIT_MODELS names blockwise)"),
+])
+def test_kit_refuses_bad_models(tmp_path, prepared, args, env, message):
+    run = tmp_path / "trained"
+    (run / "verifier").mkdir(parents=True)
+    (run / "distill" / "bin").mkdir(parents=True)
+    (run / "verifier" / "checkpoint_best.pt").write_text("x")
+    (run / "distill" / "bin" / "dict.en.txt").write_text("x")
+    args = [str(run) if a == "RUN" else str(tmp_path / a) if a == "NOWHERE" else a for a in args]
+    proc = build_kit(tmp_path, prepared, "--no-wheels", *args, **env)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "kit" / "run").exists()
