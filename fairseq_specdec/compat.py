@@ -234,6 +234,23 @@ def _check_task_override(path: str, state, caller) -> None:
     )
 
 
+def save_checkpoint(state: dict, path: str) -> None:
+    """Write ``state`` (as :func:`fairseq.checkpoint_utils.load_checkpoint_to_cpu`
+    returns it, changed) to ``path`` the way fairseq's trainer saves: the
+    config as plain containers (the loader made it an OmegaConf object, which
+    the safe loader refuses), so that it loads back safely.  Written to a
+    temporary file first, then renamed: ``path`` is whole or absent.  Its
+    folder is made if missing."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(state.get("cfg")):
+        state = {**state, "cfg": OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
 def install_safe_checkpoint_loading() -> None:
     torch.serialization.add_safe_globals(CHECKPOINT_SAFE_GLOBALS)
     if not getattr(torch.load, "_specdec_wrapped", False):
@@ -309,5 +326,6 @@ __all__: Iterable[str] = [
     "UntrustedCheckpointError",
     "install",
     "restore_fairseq_logging",
+    "save_checkpoint",
     "trust_checkpoint",
 ]

@@ -22,11 +22,11 @@ import re
 import sys
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fairseq_specdec  # noqa: E402,F401  (safe checkpoint loading)
 from fairseq import checkpoint_utils  # noqa: E402
+from fairseq_specdec.compat import save_checkpoint  # noqa: E402
 
 logger = logging.getLogger("average-checkpoints")
 
@@ -69,11 +69,6 @@ def average(paths):
         ref = last_state["model"][k]
         averaged[k] = (v / len(paths)).to(ref.dtype) if ref.is_floating_point() else v
     last_state["model"] = averaged
-    # load_checkpoint_to_cpu turned the stored config into an OmegaConf object;
-    # store plain containers again, as fairseq's Trainer.state_dict does (the
-    # safe loader refuses omegaconf classes)
-    if OmegaConf.is_config(last_state.get("cfg")):
-        last_state["cfg"] = OmegaConf.to_container(last_state["cfg"], resolve=True, enum_to_str=True)
     return last_state
 
 
@@ -97,11 +92,7 @@ def main(argv=None):
         for p in paths:
             if not os.path.isfile(p):
                 parser.error(f"no such checkpoint: {p}")
-    state = average(paths)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tmp = args.output + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, args.output)
+    save_checkpoint(average(paths), args.output)  # config as plain containers, whole or absent
     logger.info(f"averaged {len(paths)} checkpoints into {args.output}: {', '.join(paths)}")
 
 

@@ -26,12 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def pack(state: dict, half: bool) -> dict:
     """``state`` without ``last_optimizer_state``; with ``half``, the model's
     float tensors in float16, each storage converted once."""
-    from omegaconf import OmegaConf
-
     state = dict(state)
     state.pop("last_optimizer_state", None)
-    if OmegaConf.is_config(state.get("cfg")):
-        state["cfg"] = OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)
     if half:
         halves = {}
 
@@ -58,12 +54,9 @@ def main(argv=None) -> int:
         parser.error(f"no such checkpoint: {args.src}")
     import fairseq_specdec  # noqa: F401  (allowlists fairseq's globals for torch's safe loader)
     from fairseq import checkpoint_utils
+    from fairseq_specdec.compat import save_checkpoint
 
-    state = pack(checkpoint_utils.load_checkpoint_to_cpu(args.src), args.half_weights)
-    os.makedirs(os.path.dirname(os.path.abspath(args.dst)), exist_ok=True)
-    part = args.dst + ".part"
-    torch.save(state, part)
-    os.replace(part, args.dst)
+    save_checkpoint(pack(checkpoint_utils.load_checkpoint_to_cpu(args.src), args.half_weights), args.dst)
     print(f"{args.dst}: {os.path.getsize(args.dst) / 2**20:.1f} MiB (from {os.path.getsize(args.src) / 2**20:.1f} MiB)")
     return 0
 
