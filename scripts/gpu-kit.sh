@@ -80,21 +80,20 @@ if [ ! -s "$DATA/bin/test.$SRC-$TGT.$TGT.bin" ]; then
   log "preparing Multi30k $SRC-$TGT into $DATA"
   OUT_DIR=$DATA bash "$HERE/scripts/prepare-multi30k.sh" "$SRC" "$TGT"
 fi
-if [ -n "$MODELS" ]; then
-  # the packed models' own data (their dictionaries) is in run/distill/bin:
-  # the kit's data is only the test references
-  log "copying the test references into $KIT/data"
-  rm -rf "$KIT/data.part" && mkdir -p "$KIT/data.part"/{bin,tok,raw}
-  cp "$DATA/tok/test_2016_flickr.$TGT" "$KIT/data.part/tok/"
-  cp "$(raw_multi30k)/test_2016_flickr.$TGT.gz" "$KIT/data.part/raw/"
-  rm -rf "$KIT/data" && mv "$KIT/data.part" "$KIT/data"
-elif [ ! -s "$KIT/data/bin/test.$SRC-$TGT.$TGT.bin" ]; then
-  log "copying the prepared data into $KIT/data"
-  rm -rf "$KIT/data.part" && mkdir -p "$KIT/data.part"/{bpe,tok,raw}
-  cp -r "$DATA/bin" "$KIT/data.part/bin"
-  for split in train val; do
-    for l in $SRC $TGT; do cp "$DATA/bpe/$split.$l" "$KIT/data.part/bpe/"; done
-  done
+# with --models, the packed models' own data (their dictionaries) goes into
+# run/distill/bin below, and the kit's data is only the test references
+if [ -n "$MODELS" ] || [ ! -s "$KIT/data/bin/test.$SRC-$TGT.$TGT.bin" ]; then
+  rm -rf "$KIT/data.part" && mkdir -p "$KIT/data.part"/{tok,raw}
+  if [ -n "$MODELS" ]; then
+    log "copying the test references into $KIT/data"
+  else
+    log "copying the prepared data into $KIT/data"
+    cp -r "$DATA/bin" "$KIT/data.part/bin"
+    mkdir -p "$KIT/data.part/bpe"
+    for split in train val; do
+      for l in $SRC $TGT; do cp "$DATA/bpe/$split.$l" "$KIT/data.part/bpe/"; done
+    done
+  fi
   cp "$DATA/tok/test_2016_flickr.$TGT" "$KIT/data.part/tok/"
   cp "$(raw_multi30k)/test_2016_flickr.$TGT.gz" "$KIT/data.part/raw/"
   rm -rf "$KIT/data" && mv "$KIT/data.part" "$KIT/data"

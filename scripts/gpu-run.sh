@@ -71,11 +71,11 @@ export CONFIG=${CONFIG:-$HERE/configs/multi30k-gpu-kit.sh}
 [ -f "$CONFIG" ] || { echo "gpu-run.sh: no such config: $CONFIG" >&2; exit 2; }
 export KIT_MODEL=${KIT_MODEL:-small}
 # a kit made with --models carries trained models in KIT/run: they are
-# benchmarked, nothing is trained
-MODELS=0
+# benchmarked, nothing is trained (MODELS_GIVEN: scripts/run-multi30k.sh then
+# has rows only for the models there, also in a dry run)
+export MODELS_GIVEN=0
 if [ -d "$KIT/run" ]; then
-  MODELS=1
-  export MODELS_GIVEN=1  # scripts/run-multi30k.sh: rows only for the models there, also in a dry run
+  MODELS_GIVEN=1
   export RUN=${RUN:-$KIT/run}
   [ "$PHASE" = all ] && PHASES=(bench batched)
 fi
@@ -95,7 +95,7 @@ esac
 # phase NAME [--dry-run]: the recipe's stages of one phase, with its benchmark's settings
 phase() {
   local name=$1; shift
-  if [ "$name" = train ] && [ "$MODELS" = 1 ]; then
+  if [ "$name" = train ] && [ "$MODELS_GIVEN" = 1 ]; then
     echo "# phase train: the kit carries trained models ($(cat "$KIT/run/ORIGIN.txt" 2>/dev/null)); nothing to train"
     return 0
   fi
@@ -128,7 +128,7 @@ T0=$(date +%s) LOG_TAG=gpu-run
 # shellcheck source=recipe-lib.sh
 source "$HERE/scripts/recipe-lib.sh"
 log "phase $PHASE, KIT_MODEL=$KIT_MODEL, kit $KIT, models in $RUN, results in $RESULTS"
-[ -d "$KIT/data/bin" ] || { log "no kit at $KIT (make gpu-kit builds it on the CPU machine; it must travel with the checkout)"; exit 2; }
+[ -d "$KIT/data/raw" ] || { log "no kit at $KIT (make gpu-kit builds it on the CPU machine; it must travel with the checkout)"; exit 2; }
 
 # setup: the wheels, once per machine
 if ls "$KIT"/wheels/*.whl > /dev/null 2>&1; then
@@ -190,7 +190,7 @@ collect() {
 trap collect EXIT
 
 export -f phase
-export HERE RUN BATCHED TRAIN_STAGES MODELS KIT
+export HERE RUN BATCHED TRAIN_STAGES KIT
 for p in "${PHASES[@]}"; do
   t=$(date +%s) status=0
   timeout "$PHASE_SECONDS" bash -c 'phase "$1"' _ "$p" || status=$?

@@ -115,7 +115,10 @@ def test_kit_refuses_unknown_arguments(tmp_path, prepared):
 
 # ---------------------------------------------------------------- the run script
 def dry_run(tmp_path, *args, **env):
-    proc = subprocess.run(["bash", RUN, "--dry-run", *args, str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+    """The dry run's output; the kit is one of tmp_path (none: a dry run needs
+    none), not the checkout's .gpu-kit, unless ``args`` name another."""
+    proc = subprocess.run(["bash", RUN, "--dry-run", "--kit", str(tmp_path / ".gpu-kit"), *args, str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=clean_env(tmp_path, **env))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
