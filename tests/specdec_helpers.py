@@ -38,6 +38,15 @@ NAT_ARGS = [
     "--share-all-embeddings",
 ]
 
+#: the command-line options of each verification backend: ``auto`` (the
+#: fastest exact path for the device: the plugin's native kernels on a CPU)
+#: and ``reference`` (fairseq's own modules and torch's products).  Tests that
+#: must hold on every backend parametrize over this dict.
+BACKEND_ARGS = {
+    "auto": [],
+    "reference": ["--verify-impl", "fairseq", "--accept-impl", "torch"],
+}
+
 # n lines, seed; test1/test2 exist for the lost-sentence guard (57 and 1000 lines)
 SPLITS = {
     "train": (3000, 1),
