@@ -5,7 +5,7 @@ Install without build isolation so that pip never pulls a second torch:
     pip install torch==2.13.0 cython numpy
     pip install --no-build-isolation -e .
 
-The install compiles one small C++ extension, ``fairseq_specdec._rowgemm``
+The install compiles one small C++ extension, ``fairseq_specdec.kernels._native``
 (the verify pass's row-blocked products, docs/verify-kernels.md), with the
 C++ compiler torch uses (gcc here).  It is optional: when it cannot be built
 the install still succeeds, says so, and the plugin uses torch's products;
@@ -22,7 +22,7 @@ if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:  # torch is installed first (see above); without it, no extension
         print("WARNING: fairseq_specdec: torch is not importable at build time, so the C++ extension "
-              "fairseq_specdec._rowgemm is not built; install torch first and use --no-build-isolation",
+              "fairseq_specdec.kernels._native is not built; install torch first and use --no-build-isolation",
               file=sys.stderr)
         BuildExtension = None
     if BuildExtension is not None:
@@ -36,15 +36,15 @@ if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
                 except Exception as error:  # noqa: BLE001 - any compiler failure
                     print(
                         f"WARNING: fairseq_specdec: the C++ extension {ext.name} was not built ({error}); "
-                        "the verify pass will use torch's matrix products (--verify-gemm torch)",
+                        "the plugin will use torch's products (--specdec-backend auto then runs the reference path on a CPU)",
                         file=sys.stderr,
                     )
 
         ext_modules = [
             CppExtension(
-                "fairseq_specdec._rowgemm",
-                ["fairseq_specdec/csrc/rowgemm.cpp", "fairseq_specdec/csrc/step.cpp",
-                 "fairseq_specdec/csrc/watch.cpp"],
+                "fairseq_specdec.kernels._native",
+                ["fairseq_specdec/kernels/csrc/rowgemm.cpp", "fairseq_specdec/kernels/csrc/step.cpp",
+                 "fairseq_specdec/kernels/csrc/watch.cpp"],
                 extra_compile_args=["-O3"],
             )
         ]

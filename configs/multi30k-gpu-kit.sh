@@ -21,7 +21,7 @@
 # (specdec_vsd and the blockwise heads; the paper's drafter too, then
 # averaged, when BENCH_DRAFTERS names it); distillation took 2.1 minutes.  The benchmark runs the specdec_vsd
 # drafter (BENCH_DRAFTERS), one relaxed setting (beta 5, tau 3), and rows of
-# the plugin also without what the default --cuda-graphs auto adds (BENCH_ARGS:
+# the plugin also without what --specdec-backend auto adds on a GPU (BENCH_ARGS:
 # --variant, below), failed rows left out (--keep-going).
 # Every variable can be overridden from the environment.
 #
@@ -37,7 +37,7 @@ case "$KIT_MODEL" in
   *) echo "KIT_MODEL must be small or base, got '$KIT_MODEL'" >&2; return 2 2>/dev/null || exit 2 ;;
 esac
 if [ "$KIT_SMOKE" = 1 ]; then
-  : "${DEVICE:=cpu}" "${BENCH_DEVICE:=cpu}" "${BENCH_BATCH_SIZES:=1,8}" "${BENCH_ARGS:=--limit 24 --warmup 2 --keep-going --variant static=--cuda-graphs=static}"
+  : "${DEVICE:=cpu}" "${BENCH_DEVICE:=cpu}" "${BENCH_BATCH_SIZES:=1,8}" "${BENCH_ARGS:=--limit 24 --warmup 2 --keep-going --variant no-accept=FAIRSEQ_SPECDEC_OFF=accept}"
   : "${VERIFIER_UPDATES:=20}" "${VSD_UPDATES:=20}" "${BLOCKWISE_UPDATES:=20}" "${DRAFTER_UPDATES:=20}"
   : "${VERIFIER_THREADS:=2}" "${DISTILL_GEN_ARGS:=--max-len-a 0 --max-len-b 6}"
 fi
@@ -54,15 +54,15 @@ fi
 : "${BENCH_DRAFTERS:=vsd}"          # the paper's drafter measured 1.22x of --beam 1 (add it: "paper vsd")
 : "${BENCH_RELAXED:=5:3}"
 : "${BENCH_RELAXED_BATCH_SIZES:=1}"
-# The default --cuda-graphs auto is iteration on a float32 GPU verifier: at
-# batch 1 whole iterations are captured for loop-greedy and specdec_vsd
-# (strict, relaxed), so the bench phase repeats those rows with the verify
-# pass's graphs only (on); at batch 8 and 64 (KIT_PHASE=batched) it replays
-# the verify pass's graphs for every row, which the variant turns off
+# --specdec-backend auto on a float32 GPU verifier: at batch 1 whole
+# iterations are captured for loop-greedy and specdec_vsd (strict, relaxed),
+# so the bench phase repeats those rows with the verify pass's graphs only
+# (FAIRSEQ_SPECDEC_OFF=iteration); at batch 8 and 64 (KIT_PHASE=batched) it
+# replays the verify pass's graphs for every row, which the variant turns off
 if [ "${KIT_PHASE:-}" = batched ]; then
-  : "${BENCH_ARGS:=--keep-going --warmup 10 --variant off=--cuda-graphs=off}"
+  : "${BENCH_ARGS:=--keep-going --warmup 10 --variant no-graphs=FAIRSEQ_SPECDEC_OFF=graphs}"
 fi
-: "${BENCH_ARGS:=--keep-going --warmup 10 --variant on:loop-greedy,strict,relaxed=--cuda-graphs=on}"
+: "${BENCH_ARGS:=--keep-going --warmup 10 --variant no-iteration:loop-greedy,strict,relaxed=FAIRSEQ_SPECDEC_OFF=iteration}"
 
 # shellcheck source=multi30k-gpu.sh
 source "$(dirname "${BASH_SOURCE[0]}")/multi30k-gpu.sh"

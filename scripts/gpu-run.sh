@@ -12,12 +12,12 @@
 #   bench  scripts/benchmark.py on the GPU at batch 1: fairseq beam 5 and
 #          beam 1, loop-greedy, n-gram drafting from the distillation, strict and relaxed draft-verify with the
 #          specdec_vsd drafter, blockwise (the plugin's rows with the
-#          default --cuda-graphs auto, and the rows it captures whole
-#          iterations of again with --cuda-graphs on, the verify pass alone);
+#          default --specdec-backend auto, and the rows it captures whole
+#          iterations of again with FAIRSEQ_SPECDEC_OFF=iteration, the verify pass alone);
 #          Tok., ms/sentence, sacreBLEU, peak GPU memory, identity with
 #          --beam 1 in the same precision
 #   batched  the same at batch 8 and 64 (KIT_BATCHED), without relaxed rows,
-#          every row of the plugin again with --cuda-graphs off
+#          every row of the plugin again with FAIRSEQ_SPECDEC_OFF=graphs
 # Everything it reports goes to OUT_DIR, at most 8 files: gpu-run.log (this
 # run's log), env.txt, summary.md (machine, stage times, what each training
 # reached, the tables and the ratios of the GPU targets), results.md and

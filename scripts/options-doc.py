@@ -80,7 +80,7 @@ ENVIRONMENT = """\
 | variable | meaning |
 |---|---|
 | `SPECDEC_TRUSTED_CHECKPOINTS` | paths (`:`-separated) of checkpoint files you trust to load with torch's full unpickler; only needed for checkpoints that contain objects outside the plugin's allowlist of fairseq's classes |
-| `FAIRSEQ_SPECDEC_NO_EXT=1` | at install: do not build the C++ kernel of `--verify-gemm rowgemm` (`auto` then uses torch's products) |
+| `FAIRSEQ_SPECDEC_NO_EXT=1` | at install: do not build the native C++ kernels (`--specdec-backend auto` then uses torch's products) |
 """
 
 

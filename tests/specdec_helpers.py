@@ -44,7 +44,7 @@ NAT_ARGS = [
 #: must hold on every backend parametrize over this dict.
 BACKEND_ARGS = {
     "auto": [],
-    "reference": ["--verify-impl", "fairseq", "--accept-impl", "torch"],
+    "reference": ["--specdec-backend", "reference"],
 }
 
 # n lines, seed; test1/test2 exist for the lost-sentence guard (57 and 1000 lines)
@@ -276,7 +276,7 @@ def check_stats(stats, hyps, k):
         assert all(1 <= a <= k + 1 for a in s["accepted"])
 
 
-#: the lean pass's product implementations (--verify-gemm); a test of one
+#: the lean pass's product implementations (the backend's choice); a test of one
 #: this machine cannot run skips (skip_unless_gemm), and test_rowgemm fails
 #: where the extension should have been built and was not.  Not read from
 #: the package here: importing the plugin at collection time changes how
@@ -285,7 +285,7 @@ GEMMS = ["torch", "rowgemm"]
 
 
 def gemm_available(gemm):
-    from fairseq_specdec.utils import rowgemm
+    from fairseq_specdec.kernels import rowgemm
 
     return gemm == "torch" or rowgemm.unavailable_reason() is None
 
@@ -294,7 +294,7 @@ def skip_unless_gemm(gemm):
     import pytest
 
     if not gemm_available(gemm):
-        pytest.skip(f"--verify-gemm {gemm} cannot run here")
+        pytest.skip(f"the {gemm} products cannot run here")
 
 OPTION_SETS = {
     "default": dict(max_len_a=0, max_len_b=200, min_len=1),
@@ -312,10 +312,33 @@ def seq_gen(model, tgt_dict, opts):
     return SequenceGenerator([model], tgt_dict, beam_size=1, **opts)
 
 
-def spec_gen(model, drafter, tgt_dict, k, opts, stats=None, acceptance=None):
-    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
+def environment(env):
+    """os.environ with ``env`` set inside (the benchmark's row environments)."""
+    from fairseq_specdec.bench.loading import environment as _environment
 
-    return SpeculativeGenerator(model, drafter, acceptance or StrictAcceptance(), tgt_dict, block_size=k, stats=stats, **opts)
+    return _environment(env)
+
+
+def make_generator(model, drafter, tgt_dict, k, acceptance=None, backend="auto", verifier=None, stats=None, off=(),
+                   static=None, **opts):
+    """A SpeculativeGenerator as the builder makes one: the backend resolved
+    from ``backend`` (native parts ``off``, ``static`` shapes for the static
+    pass's tests), fairseq's options ``opts`` (DecodeSettings' fields); with
+    ``verifier``, that verify pass replaces the backend's."""
+    from fairseq_specdec.generation import DecodeSettings, SpeculativeGenerator, StrictAcceptance, resolve_backend
+
+    acceptance = acceptance or StrictAcceptance()
+    settings = DecodeSettings(block_size=k, **opts)
+    resolved = resolve_backend(backend, model, acceptance, settings.temperature, settings.unk_penalty,
+                               off=frozenset(off), static=static)
+    gen = SpeculativeGenerator(resolved, drafter, acceptance, tgt_dict, settings, stats)
+    if verifier is not None:
+        gen.verifier = gen.backend.verifier = verifier
+    return gen
+
+
+def spec_gen(model, drafter, tgt_dict, k, opts, stats=None, acceptance=None):
+    return make_generator(model, drafter, tgt_dict, k, acceptance, stats=stats, **opts)
 
 
 def speculative_run(model, drafter, tgt_dict, k, opts, samples, stats_path, acceptance=None):
@@ -350,6 +373,9 @@ def reference_drafter(refs, filler, cut=None, after_cut=None, check_prefix=False
         def __init__(self):
             self.ids = None
             self.calls = 0
+
+        def describe(self):
+            return "the reference continuation (a test's drafter)"
 
         def start_batch(self, state):
             self.ids = state.sample["id"].tolist()
@@ -446,8 +472,4 @@ def partly_right(ref, d):
 
 def strict_generator(model, drafter, tgt_dict, verifier, opts="default", k=4):
     """A strict SpeculativeGenerator whose verify pass is ``verifier``."""
-    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
-
-    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), tgt_dict, block_size=k, **OPTION_SETS[opts])
-    gen.verifier = verifier
-    return gen
+    return make_generator(model, drafter, tgt_dict, k, verifier=verifier, **OPTION_SETS[opts])

@@ -200,9 +200,12 @@ def test_profiler_fails_loudly_on_a_missing_component():
         timers.wrap(None, "output_layer", "of which: projection")
     # the draft-verify components of a generator whose verifier lost a method
     fn = staticmethod(lambda *a: None)
-    verifier = type("CachedVerifier", (), dict(encode=fn, forward=fn, _logits=fn, reorder=fn))()
-    drafter = SimpleNamespace(start_batch=lambda: None, propose=lambda: None,
-                              model=SimpleNamespace(decoder=SimpleNamespace(output_layer=lambda: None)))
+    from fairseq_specdec.generation.verify_pass import VerifyPass
+
+    verifier = type("CachedVerifier", (), dict(encode=fn, forward=fn, logits=fn, reorder=fn,
+                                               timed_parts=VerifyPass.timed_parts))()
+    drafter = SimpleNamespace(start_batch=lambda: None, propose=lambda: None)
+    drafter.timed_parts = lambda k: iter([(drafter, "start_batch", "drafter start"), (drafter, "propose", "pass")])
     generator = SimpleNamespace(block_size=4, verifier=verifier, drafter=drafter)
     timers = profiling.Timers()
     with pytest.raises(profiling.MissingComponent, match="CachedVerifier has no method 'rollback'"):
@@ -327,8 +330,8 @@ def test_drafter_options_reach_only_their_drafters_rows():
 def test_variants_repeat_only_the_plugins_rows():
     """--variant LABEL=OPTIONS: each row of the plugin's decodings again with
     the options appended, named ROW+LABEL; fairseq's rows run once."""
-    variants = specs.parse_variants(["graphs=--cuda-graphs on"])
-    assert variants == [specs.Variant("graphs", ("--cuda-graphs", "on"))]
+    variants = specs.parse_variants(["graphs=FAIRSEQ_SPECDEC_OFF=graphs --block-size 3"])
+    assert variants == [specs.Variant("graphs", ("FAIRSEQ_SPECDEC_OFF=graphs", "--block-size", "3"))]
     for bad in (["graphs"], ["=--x"], ["g=  "], ["a=--x", "a=--y"]):
         with pytest.raises(ValueError, match="--variant"):
             specs.parse_variants(bad)
@@ -338,9 +341,14 @@ def test_variants_repeat_only_the_plugins_rows():
     assert set(rows) == {r["name"] for r in base} | {"loop-greedy+graphs@bs1", "strict-vsd+graphs@bs1",
                                                       "b5t3-vsd+graphs@bs1"}
     plain, graphed = rows["strict-vsd@bs1"], rows["strict-vsd+graphs@bs1"]
-    assert graphed["extra"] == plain["extra"] + ["--cuda-graphs", "on"]
+    assert graphed["extra"] == plain["extra"] + ["FAIRSEQ_SPECDEC_OFF=graphs", "--block-size", "3"]
     assert graphed["label"] == plain["label"] + " [graphs]" and graphed["path"] == plain["path"]
-    assert "--cuda-graphs" not in rows["beam1@bs1"]["extra"]
+    assert "--block-size" not in rows["beam1@bs1"]["extra"]
+    # the environment assignment is set while the row's generator is built, never passed to fairseq
+    from fairseq_specdec.bench.loading import generate_argv, split_environment
+
+    assert split_environment(graphed["extra"]) == ({"FAIRSEQ_SPECDEC_OFF": "graphs"}, plain["extra"] + ["--block-size", "3"])
+    assert "FAIRSEQ_SPECDEC_OFF=graphs" not in generate_argv(dict(graphed, batch_size=1, beam=1, threads=1))
 
 
 def test_a_variant_for_some_row_kinds_repeats_only_their_rows():
@@ -348,10 +356,10 @@ def test_a_variant_for_some_row_kinds_repeats_only_their_rows():
     again (the GPU kit's whole-iteration graphs, which at batch 1 differ from
     the default only for loop-greedy and specdec_vsd)."""
     kinds = ["beam5", "beam1", "strict", "relaxed", "loop-greedy", "ngram", "blockwise"]
-    variants = specs.parse_variants(["it:loop-greedy,draft-verify,relaxed=--cuda-graphs iteration"], kinds)
-    assert variants == [specs.Variant("it", ("--cuda-graphs", "iteration"), ("loop-greedy", "strict", "relaxed"))]
+    variants = specs.parse_variants(["it:loop-greedy,draft-verify,relaxed=FAIRSEQ_SPECDEC_OFF=iteration"], kinds)
+    assert variants == [specs.Variant("it", ("FAIRSEQ_SPECDEC_OFF=iteration",), ("loop-greedy", "strict", "relaxed"))]
     with pytest.raises(ValueError, match="no row kind 'stric'"):
-        specs.parse_variants(["it:stric=--cuda-graphs iteration"], kinds)
+        specs.parse_variants(["it:stric=FAIRSEQ_SPECDEC_OFF=iteration"], kinds)
     for bad in (["it:=--x"], ["it:,=--x"]):
         with pytest.raises(ValueError, match="LABEL:ROW,ROW=OPTIONS"):
             specs.parse_variants(bad, kinds)
@@ -400,9 +408,9 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
         H.cli("python"), H.ROOT / "scripts" / "interleave.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
         "--verifier", ar_checkpoint, "--limit", "8", "--rounds", "2",
         "--row", "beam1=--decoding autoregressive",
-        "--row", f"loop-greedy=--path {ar_checkpoint} --decoding loop-greedy --verify-gemm torch",
+        "--row", f"loop-greedy=--path {ar_checkpoint} --decoding loop-greedy FAIRSEQ_SPECDEC_OFF=products",
         "--row", "beam2=--decoding autoregressive --beam 2",
-        "--row", "copy=--decoding input-guided --verify-gemm torch", "--json", out,
+        "--row", "copy=--decoding input-guided --specdec-backend reference", "--json", out,
     ])
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}

@@ -114,7 +114,7 @@ def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
     (["--drafter", "y=missing.pt"], "no such file: missing.pt"),
     (["--user-dir", "no-such-plugin"], "--user-dir no-such-plugin: no such directory"),
     (["--variant", "graphs"], "--variant 'graphs': expected LABEL=OPTIONS"),
-    (["--variant", "graphs:loop-greedy,nope=--cuda-graphs on"], "--variant graphs: no row kind 'nope' (kinds: beam5,"),
+    (["--variant", "graphs:loop-greedy,nope=FAIRSEQ_SPECDEC_OFF=graphs"], "--variant graphs: no row kind 'nope' (kinds: beam5,"),
 ])
 def test_bad_benchmark_options_fail_before_any_decoding(benchmark, monkeypatch, tmp_path, capsys, args, message):
     """A clear error, not a traceback or (for --jobs 0) a loop that never starts a row."""

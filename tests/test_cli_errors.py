@@ -211,8 +211,7 @@ SPECULATIVE_UNDER_AUTOREGRESSIVE = [
     (["--verify-beta", "3"], "--verify-beta"),
     (["--verify-tau", "1"], "--verify-tau"),
     (["--adaptive-draft"], "--adaptive-draft"),
-    (["--verify-gemm", "torch"], "--verify-gemm"),
-    (["--draft-precision", "float32"], "--draft-precision"),
+    (["--specdec-backend", "reference"], "--specdec-backend"),
 ]
 
 
@@ -338,15 +337,14 @@ def test_vsd_default_block_size_follows_the_product_kernel(toy_bin, untrained_ve
     """Without --block-size: k = 3 (the drafter's KERNEL_BLOCK) where the
     row-blocked kernel runs (the untrained drafter says it was trained with
     k = 4), else the training k; an explicit --block-size always wins."""
-    from fairseq_specdec.utils import rowgemm
+    from fairseq_specdec.kernels import rowgemm
 
     verifier = untrained_verifier[0]
-    if kernel == "none":
-        monkeypatch.setattr(rowgemm, "applies_to", lambda weight: False)
-    elif not rowgemm.applies_to(untrained_vsd.output_weight):
+    if kernel == "rowgemm" and not rowgemm.applies_to(untrained_vsd.output_weight):
         pytest.skip(f"the rowgemm kernel does not run here: {rowgemm.unavailable_reason()}")
     assert int(untrained_vsd.train_block_size) == 4
-    assert build(toy_bin, [verifier, untrained_vsd], *DV).block_size == (3 if kernel == "rowgemm" else 4)
+    with H.environment({"FAIRSEQ_SPECDEC_OFF": "products" if kernel == "none" else ""}):
+        assert build(toy_bin, [verifier, untrained_vsd], *DV).block_size == (3 if kernel == "rowgemm" else 4)
     assert build(toy_bin, [verifier, untrained_vsd], *DV, "--block-size", "5").block_size == 5
 
 
@@ -373,23 +371,16 @@ def test_errors_doc_lists_every_option_refused_under_autoregressive():
     assert listed == {"--" + name.replace("_", "-") for name, _ in DraftVerifyTask.SPECULATIVE_OPTIONS}
 
 
-def test_vsd_draft_precision_reaches_the_drafter(toy_bin, untrained_verifier, untrained_vsd):
-    """--draft-precision picks the element type of the specdec_vsd drafter's
-    packed weights (auto: bfloat16 where the kernel runs with them)."""
-    from fairseq_specdec.utils import rowgemm
+def test_vsd_drafter_computes_as_the_backend_says(toy_bin, untrained_verifier, untrained_vsd):
+    """The specdec_vsd drafter's pass: natively (bfloat16 weights where the
+    kernel runs with them) under auto, torch's operations under reference."""
+    from fairseq_specdec.kernels import rowgemm
 
     verifier = untrained_verifier[0]
-    auto = "bfloat16" if rowgemm.bfloat16_available() else "float32"
-    assert build(toy_bin, [verifier, untrained_vsd], *DV).drafter.precision == auto
-    assert build(toy_bin, [verifier, untrained_vsd], *DV, "--draft-precision", "float32").drafter.precision == "float32"
-    if rowgemm.bfloat16_available():
-        generator = build(toy_bin, [verifier, untrained_vsd], *DV, "--draft-precision", "bfloat16")
-        assert generator.drafter.precision == "bfloat16"
-
-
-@pytest.mark.parametrize("decoding", ["ngram", "loop-greedy", "input-guided"])
-def test_draft_precision_bfloat16_without_packed_drafter_weights_is_refused(toy_bin, untrained_verifier, decoding):
-    """A drafter that reads no packed weights has nothing to round: an
-    explicit bfloat16 is refused, naming the option and the decoding."""
-    with pytest.raises(ValueError, match=f"--draft-precision bfloat16: the drafter of --decoding {decoding} .* drop the option"):
-        build(toy_bin, [untrained_verifier[0]], "--decoding", decoding, "--draft-precision", "bfloat16")
+    auto = build(toy_bin, [verifier, untrained_vsd], *DV).drafter
+    assert (auto.native is not None) == (rowgemm.unavailable_reason() is None)
+    if auto.native is not None:
+        assert auto.kernels.precision == ("bfloat16" if rowgemm.bfloat16_available() else "float32")
+    reference = build(toy_bin, [verifier, untrained_vsd], *DV, "--specdec-backend", "reference").drafter
+    assert reference.native is None and not reference.kernels.products
+    assert "torch operations" in reference.describe()

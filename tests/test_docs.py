@@ -28,7 +28,7 @@ def test_option_reference_lists_every_option_of_the_plugin():
     from fairseq_specdec.criterions.glat_block import GlatBlockConfig
 
     text = (H.ROOT / "docs" / "options.md").read_text()
-    for name in ("drafter_path", "verify_gemm", "specdec_stats", "block_size"):
+    for name in ("drafter_path", "specdec_backend", "specdec_stats", "block_size"):
         assert f"| `--{name.replace('_', '-')}" in text, name
     for config in (SpecDecVSDConfig, GlatBlockConfig):
         for field in dataclasses.fields(config):

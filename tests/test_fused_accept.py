@@ -1,4 +1,4 @@
-"""``--accept-impl fused``: the extension's strict step (``csrc/step.cpp``)
+"""The native acceptance step: the extension's strict step (``kernels/csrc/step.cpp``)
 gives the values of the loop's tensor operations.
 
 * on random log-probs with planted drafts (accepted prefixes of every
@@ -10,7 +10,7 @@ gives the values of the loop's tensor operations.
   tensor operations, which then take the iteration;
 * decodings through it equal fairseq's ``--beam 1`` and the tensor
   operations' decodings;
-* ``--accept-impl`` is checked and refused by name where it cannot run.
+* the backend chooses it where it runs (strict, no ``--unkpen``, a CPU, not ``reference``).
 """
 import types
 
@@ -21,7 +21,7 @@ import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import NATBlockDrafter, NoDrafter, SpeculativeGenerator, StrictAcceptance, TopBetaAcceptance
-from fairseq_specdec.utils import rowgemm
+from fairseq_specdec.kernels import rowgemm
 
 pytestmark = pytest.mark.skipif(
     rowgemm.strict_step_unavailable_reason() is not None, reason=str(rowgemm.strict_step_unavailable_reason())
@@ -53,9 +53,9 @@ class CountingStep:
 
 
 def generator(model, d, accept_impl="auto", **opts):
+    """``accept_impl``: ``torch`` switches the native step off (the benchmark's ``accept`` part)."""
     opts = dict(dict(max_len_a=0, max_len_b=200, min_len=1), **opts)
-    return SpeculativeGenerator(model, NoDrafter(), StrictAcceptance(), d, block_size=8,
-                                accept_impl=accept_impl, **opts)
+    return H.make_generator(model, NoDrafter(), d, 8, off=("accept",) if accept_impl == "torch" else (), **opts)
 
 
 def planted_case(seed, d, bsz, k):
@@ -163,53 +163,25 @@ def test_decodings_through_the_fused_step_equal_beam1(model_and_dict, tiny_draft
     ref = run_generator(seq_gen(model, d, options), model, H.batches(task, "test", bsz))
     got = {}
     for impl in ("fused", "torch"):
-        gen = SpeculativeGenerator(model, NATBlockDrafter(tiny_drafter[0]), StrictAcceptance(), d, block_size=3,
-                                   accept_impl=impl, **options)
+        gen = H.make_generator(model, NATBlockDrafter(tiny_drafter[0]), d, 3,
+                               off=("accept",) if impl == "torch" else (), **options)
+        assert gen.fused_accept == (impl == "fused")
         got[impl] = run_generator(gen, model, H.batches(task, "test", bsz))
         assert_identical(ref, got[impl])
     assert_identical(got["torch"], got["fused"], atol=0)
     assert counting.calls > 0 and counting.ties == 0
 
 
-def test_accept_impl_is_checked(model_and_dict):
+def test_the_backend_chooses_the_native_step_where_it_runs(model_and_dict):
+    """Strict verification without --unkpen on a CPU: the native step; relaxed
+    verification, --unkpen, the reference backend: tensor operations."""
     model, task = model_and_dict
     d = task.target_dictionary
-    drafter = NoDrafter()
 
-    def build(acceptance, impl, **opts):
-        return SpeculativeGenerator(model, drafter, acceptance, d, block_size=3, accept_impl=impl, **opts)
+    def build(acceptance, backend="auto", **opts):
+        return H.make_generator(model, NoDrafter(), d, 3, acceptance, backend=backend, **opts)
 
-    assert build(StrictAcceptance(), "auto").fused_accept
-    assert build(StrictAcceptance(), "fused").fused_accept
-    assert not build(StrictAcceptance(), "torch").fused_accept
-    relaxed = TopBetaAcceptance(3, 1.0)
-    assert not build(relaxed, "auto").fused_accept
-    assert not build(StrictAcceptance(), "auto", unk_penalty=1.5).fused_accept
-    with pytest.raises(ValueError, match=r"--accept-impl fused cannot run: .*strict verification only.*--verify-beta"):
-        build(relaxed, "fused")
-    with pytest.raises(ValueError, match=r"--accept-impl fused cannot run: .*--unkpen is 1.5"):
-        build(StrictAcceptance(), "fused", unk_penalty=1.5)
-    with pytest.raises(ValueError, match="--accept-impl must be one of auto, fused, torch"):
-        build(StrictAcceptance(), "cpp")
-
-
-@pytest.mark.slow  # needs the trained toy verifier's checkpoint
-def test_accept_impl_reaches_the_generator(ar_checkpoint, toy_bin):
-    from fairseq import checkpoint_utils, tasks
-
-    fused = {}
-    for impl in (None, "torch", "fused"):
-        argv = ["--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "loop-greedy", "--beam", "1"]
-        if impl is not None:
-            argv += ["--accept-impl", impl]
-        cfg = H.generation_cfg(toy_bin, *argv)
-        task = tasks.setup_task(cfg.task)
-        models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
-        fused[impl] = task.build_generator(models, cfg.generation).fused_accept
-    assert fused == {None: True, "torch": False, "fused": True}
-    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--beam", "1",
-                           "--accept-impl", "torch")
-    task = tasks.setup_task(cfg.task)
-    models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
-    with pytest.raises(ValueError, match="--accept-impl torch applies to speculative decodings only"):
-        task.build_generator(models, cfg.generation)
+    assert build(StrictAcceptance()).fused_accept
+    assert not build(StrictAcceptance(), "reference").fused_accept
+    assert not build(TopBetaAcceptance(3, 1.0)).fused_accept
+    assert not build(StrictAcceptance(), unk_penalty=1.5).fused_accept

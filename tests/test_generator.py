@@ -160,6 +160,6 @@ def test_generator_argument_checks(verifier, tiny_drafter):
     model, task = verifier
     drafter = NATBlockDrafter(tiny_drafter[0])
     with pytest.raises(ValueError, match="block-size"):
-        SpeculativeGenerator(model, drafter, StrictAcceptance(), task.target_dictionary, block_size=0)
+        H.make_generator(model, drafter, task.target_dictionary, 0)
     with pytest.raises(ValueError, match="drafter"):
         NATBlockDrafter(model)  # a Transformer is not a block drafter

@@ -184,8 +184,8 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
     bench1, batched = [argv for _, argv in cmds if len(argv) > 1 and argv[1].endswith("scripts/benchmark.py")]
     # without what the default adds: at batch 1 the verify pass's graphs alone where auto captures whole
     # iterations, at 8 and 64 no graphs, for every row
-    variants = {"benchmark": "on:loop-greedy,strict,relaxed=--cuda-graphs=on",
-                "benchmark-batched": "off=--cuda-graphs=off"}
+    variants = {"benchmark": "no-iteration:loop-greedy,strict,relaxed=FAIRSEQ_SPECDEC_OFF=iteration",
+                "benchmark-batched": "no-graphs=FAIRSEQ_SPECDEC_OFF=graphs"}
     for bench, sizes, out_dir in ((bench1, "1", "benchmark"), (batched, "8,64", "benchmark-batched")):
         opt = lambda name: bench[bench.index(name) + 1]  # noqa: E731
         assert opt("--device") == "auto" and opt("--batch-sizes") == sizes and opt("--jobs") == "1"

@@ -57,7 +57,7 @@ def ragged(ref, d):
 
 
 def generator(model, drafter, d, host_checks, opts="default", k=4):
-    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), d, block_size=k, **OPTION_SETS[opts])
+    gen = H.make_generator(model, drafter, d, k, **OPTION_SETS[opts])
     gen.host_checks = host_checks
     return gen
 

@@ -1,7 +1,7 @@
 """The package's layers import downwards only, and no modules import each
 other in a circle (function-level imports included).
 
-Layers, lowest first: ``utils``; ``models``; ``criterions`` and
+Layers, lowest first: ``utils`` and ``kernels`` (native code); ``models``; ``criterions`` and
 ``generation``; ``tasks``; ``hub`` and ``bench``.  ``compat`` and the
 package's ``__init__`` (which wires the layers together) stand apart.
 """
@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fairseq_specdec"
 
-LAYERS = {"utils": 0, "models": 1, "criterions": 2, "generation": 2, "tasks": 3, "hub": 4, "bench": 4}
+LAYERS = {"utils": 0, "kernels": 0, "models": 1, "criterions": 2, "generation": 2, "tasks": 3, "hub": 4, "bench": 4}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -68,7 +68,7 @@ def test_the_walk_sees_the_package():
     edges = graph()
     targets = {m: {t for t, _ in ts} for m, ts in edges.items()}
     assert "fairseq_specdec.generation.state" in targets["fairseq_specdec.generation.speculative"]  # from .state import
-    assert "fairseq_specdec.utils.rowgemm" in targets["fairseq_specdec.generation.lean_verifier"]  # from ..utils import rowgemm
+    assert "fairseq_specdec.kernels.rowgemm" in targets["fairseq_specdec.generation.lean_verifier"]  # from ..kernels import rowgemm
     assert "fairseq_specdec.bench.ct2" in targets["fairseq_specdec.bench.worker"]  # inside a function
 
 
@@ -142,3 +142,95 @@ def test_no_import_cycles():
 
 def test_compat_imports_nothing_of_the_package():
     assert graph()["fairseq_specdec.compat"] == []
+
+
+def importers_of(edges, prefix):
+    return sorted({m for m, ts in edges.items() for t, _ in ts if t == prefix or t.startswith(prefix + ".")})
+
+
+def test_native_code_is_one_package_imported_by_the_generation_layer_only():
+    """The C++ sources and their bindings live under fairseq_specdec/kernels;
+    models, criteria and the task never import native code (the generation
+    layer decides where it runs: fairseq_specdec.generation.backend)."""
+    files = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.suffix in (".cpp", ".h", ".cu"))
+    assert files and all(f.startswith("kernels/") for f in files), files
+    import re
+
+    bindings = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                      if re.search(r"import _native\b|\._native\b", p.read_text()))
+    assert all(b.startswith("kernels/") for b in bindings), bindings
+    allowed = ("fairseq_specdec.kernels", "fairseq_specdec.generation", "fairseq_specdec.bench")
+    bad = [m for m in importers_of(graph(), "fairseq_specdec.kernels") if not m.startswith(allowed)]
+    assert bad == [], bad
+
+
+#: where a concrete drafter class may be named: its definition, the registry's
+#: builders (generation/build.py) and the package's public exports
+DRAFTER_HOMES = ("generation/drafters.py", "generation/ngram.py", "generation/build.py", "generation/__init__.py",
+                 "generation/vsd_native.py")
+
+
+def test_only_the_registry_names_concrete_drafters():
+    """bench/ and the loop know drafters by the Drafter contract only, so a
+    decoding registered by another plugin is benchmarked and profiled by its
+    own parts (Drafter.timed_parts), never as one of the built-in ones."""
+    import fairseq_specdec  # noqa: F401
+    from fairseq_specdec.generation.drafters import Drafter
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    names = {c.__name__ for c in subclasses(Drafter) if c.__module__.startswith("fairseq_specdec.")}
+    assert {"NoDrafter", "NgramDrafter", "VerifierStateDrafter"} <= names
+    bad = []
+    for path in sorted(list((PACKAGE / "generation").rglob("*.py")) + list((PACKAGE / "bench").rglob("*.py"))):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in DRAFTER_HOMES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id in names:
+                bad.append(f"{rel}:{node.lineno} {node.id}")
+            elif isinstance(node, ast.alias) and node.name in names:
+                bad.append(f"{rel} imports {node.name}")
+    assert bad == [], bad
+
+
+def test_the_drafter_contract_is_declared():
+    """Every method the loop, the builder or the benchmark calls on a drafter
+    is declared on Drafter; the ones a drafter must give are abstract."""
+    import fairseq_specdec  # noqa: F401
+    from fairseq_specdec.generation.drafters import Drafter
+
+    for name in ("describe", "start_batch", "propose", "update", "reorder", "static_inputs", "static_key",
+                 "default_block", "timed_parts"):
+        assert callable(getattr(Drafter, name, None)), name
+    assert Drafter.__abstractmethods__ == {"describe", "start_batch", "propose", "reorder"}
+    with pytest.raises(TypeError):
+        type("Half", (Drafter,), {"propose": lambda self, state, k: None})()
+
+
+def test_the_plugins_models_provide_every_declared_member(tmp_path):
+    """Each model class provides every method its capability protocol
+    declares (models/protocol.py); the attributes are checked on built
+    models by the tests that train them."""
+    import fairseq_specdec  # noqa: F401
+    from fairseq_specdec.models import protocol
+    from fairseq_specdec.models.blockwise_transformer import BlockwiseTransformerModel
+    from fairseq_specdec.models.specdec_nat import SpecDecNATModel
+    from fairseq_specdec.models.specdec_vsd import SpecDecVSDModel
+
+    for model, proto in ((SpecDecNATModel, protocol.SourceReadingDrafterModel),
+                         (SpecDecVSDModel, protocol.VerifierStateDrafterModel),
+                         (BlockwiseTransformerModel, protocol.BlockwiseHeadsModel)):
+        assert issubclass(model, proto)
+        attributes, methods = protocol.declared_members(proto)
+        assert methods, proto
+        for name in methods:
+            mine = next(vars(c)[name] for c in model.__mro__ if name in vars(c))
+            assert mine is not vars(proto).get(name) and not any(
+                mine is vars(p).get(name) for p in proto.__mro__), f"{model.__name__} lacks {name}"
+    # the declared attributes are the ones the layers above read
+    assert "output_weight" in protocol.declared_members(protocol.VerifierStateDrafterModel)[0]
+    assert "train_block_size" in protocol.declared_members(protocol.SourceReadingDrafterModel)[0]

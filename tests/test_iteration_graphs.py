@@ -1,6 +1,6 @@
 """Whole iterations of a batch of one sentence on fixed buffers
-(``--cuda-graphs static`` runs them eagerly, here on the CPU;
-``--cuda-graphs iteration`` captures them on a GPU, tested where one is).
+(static shapes run them eagerly, here on the CPU; ``--specdec-backend
+auto`` captures them on a GPU, tested where one is).
 
 * strict decoding through the static iteration equals fairseq's ``--beam 1``
   (loop-greedy and the ``specdec_vsd`` drafter), and the iterations do run
@@ -17,15 +17,14 @@ import torch
 
 import specdec_helpers as H
 from specdec_helpers import assert_identical, run_generator
-from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
 from fairseq_specdec.generation.drafters import NoDrafter, ShortlistProjection, drafter_for_model
 
 pytestmark = pytest.mark.slow  # the trained toy verifier and drafters
 
 
 def generator(model, drafter, d, graphs, k=4, **opts):
-    return SpeculativeGenerator(model, drafter, StrictAcceptance(), d, block_size=k, cuda_graphs=graphs,
-                                **{**H.OPTION_SETS["default"], **opts})
+    """``graphs``: the static choice (``static``: whole iterations eagerly; ``iteration``: as CUDA graphs)."""
+    return H.make_generator(model, drafter, d, k, static=graphs, **{**H.OPTION_SETS["default"], **opts})
 
 
 def vsd_drafter(toy_bin, vsd_checkpoint, verifier_model):
@@ -61,17 +60,17 @@ def test_other_batches_and_drafters_decode_as_before(toy_bin, verifier, beam1_re
     assert gen.iteration_graphs is None
     assert_identical(beam1_reference("default", 1), run_generator(gen, model, H.batches(task, "test", 1)))
     # capturing needs a GPU
-    with pytest.raises(ValueError, match="--cuda-graphs iteration needs the verifier on a CUDA device"):
+    with pytest.raises(ValueError, match="CUDA graphs need the verifier on a CUDA device"):
         generator(model, NoDrafter(), d, "iteration")
 
 
 def test_fixed_buffers_give_the_same_drafts(toy_bin, verifier, vsd_checkpoint):
     from fairseq_specdec.generation.state import DecodingState
-    from fairseq_specdec.generation.verify_passes import build_verifier
+    from fairseq_specdec.generation import StrictAcceptance, resolve_backend
 
     model, task = verifier
     d = task.target_dictionary
-    pass_ = build_verifier(model)
+    pass_ = resolve_backend("auto", model, StrictAcceptance()).verifier
     plain, static = (vsd_drafter(toy_bin, vsd_checkpoint, model) for _ in range(2))
     assert static.static_inputs()
     for bsz in (1, 5):

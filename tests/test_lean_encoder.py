@@ -1,5 +1,5 @@
 """The verifier's encoder as fused C++ layers (:class:`LeanEncoder`), which the
-lean verify pass runs under ``--verify-gemm rowgemm``.
+lean verify pass runs with the native products.
 
 * it returns fairseq's encoder output dictionary, the layers' output equal to
   fairseq's ``TransformerEncoder`` within float rounding: post- and pre-norm,
@@ -8,9 +8,8 @@ lean verify pass runs under ``--verify-gemm rowgemm``.
   sentence encoded alone;
 * weights changed after the first call are packed again;
 * an encoder it cannot compute (GELU, a subclass overriding the forward) is
-  named and left to fairseq's modules; under ``--verify-gemm torch`` and
-  ``--encoder-impl fairseq`` the lean pass keeps fairseq's encoder, and
-  ``--encoder-impl lean`` where it cannot run is refused with the reason.
+  named and left to fairseq's modules; with torch's products, or the
+  ``encoder`` part switched off, the lean pass keeps fairseq's encoder.
 
 End to end, strict decoding with it stays identical to ``--beam 1``: the
 exactness tests of tests/test_lean_verifier.py and tests/test_generator.py
@@ -22,7 +21,7 @@ import torch
 import specdec_helpers as H
 from fairseq_specdec.generation.lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from fairseq_specdec.generation.lean_verifier import LeanVerifier
-from fairseq_specdec.utils import rowgemm
+from fairseq_specdec.kernels import rowgemm
 
 needs_kernel = pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
 
@@ -169,19 +168,18 @@ def test_the_lean_pass_runs_it_under_rowgemm_only(toy_bin):
 
 
 @needs_kernel
-def test_encoder_impl_lean_is_refused_where_it_cannot_run(toy_bin):
-    from fairseq_specdec.generation.verify_passes import build_verifier
+def test_the_backend_runs_the_fused_encoder_where_it_can(toy_bin):
+    from fairseq_specdec.generation import StrictAcceptance, resolve_backend
 
     model, _ = untrained_transformer(toy_bin)
-    assert build_verifier(model, encoder="lean").lean_encoder is not None
-    with pytest.raises(ValueError, match=r"--encoder-impl lean cannot run: .*--verify-gemm torch"):
-        build_verifier(model, gemm="torch", encoder="lean")
-    with pytest.raises(ValueError, match="--encoder-impl lean runs in the lean verify pass .*drop --verify-impl fairseq"):
-        build_verifier(model, impl="fairseq", encoder="lean")
-    with pytest.raises(ValueError, match="--encoder-impl lean runs in the lean verify pass .*drop --cuda-graphs static"):
-        build_verifier(model, graphs="static", encoder="lean")
-    with pytest.raises(ValueError, match="--encoder-impl must be one of auto, lean, fairseq"):
-        build_verifier(model, encoder="fast")
+    assert resolve_backend("auto", model, StrictAcceptance()).verifier.lean_encoder is not None
+    assert resolve_backend("auto", model, StrictAcceptance(), off={"encoder"}).verifier.lean_encoder is None
+    assert resolve_backend("auto", model, StrictAcceptance(), off={"products"}).verifier.lean_encoder is None
+    with pytest.raises(ValueError, match=r"the fused encoder cannot run: .*torch's products"):
+        LeanVerifier(model, gemm="torch", encoder="lean")
+    with pytest.raises(ValueError, match="the lean pass's encoder must be one of auto, lean, fairseq"):
+        LeanVerifier(model, encoder="fast")
     gelu, _ = untrained_transformer(toy_bin, "--activation-fn", "gelu")
-    with pytest.raises(ValueError, match="--encoder-impl lean cannot run: .*not ReLU"):
-        build_verifier(gelu, encoder="lean")
+    assert resolve_backend("auto", gelu, StrictAcceptance()).verifier.lean_encoder is None
+    with pytest.raises(ValueError, match="the fused encoder cannot run: .*not ReLU"):
+        LeanVerifier(gelu, encoder="lean")

@@ -1,4 +1,4 @@
-"""The lean verify pass (``--verify-impl lean``, the default where it applies)
+"""The lean verify pass (``--specdec-backend auto``'s, where it applies)
 computes the function fairseq's own layer modules compute.
 
 * pass by pass, on ragged batches, its log-probs and final states equal those
@@ -6,11 +6,11 @@ computes the function fairseq's own layer modules compute.
   the strict output equals fairseq's ``--beam 1``;
 * the cache positions past a row's prefix (scratch) never reach the output,
   whatever they hold;
-* under ``--verify-gemm rowgemm`` each ReLU layer runs as one call of the C++
+* with the native products each ReLU layer runs as one call of the C++
   extension (the fused layer), checked the same way;
 * pre-norm and GELU decoders are computed too; decoders it cannot compute
-  (NormFormer) fall back under ``auto`` and are refused by name under ``lean``;
-* ``--verify-impl`` reaches the generator fairseq-generate builds.
+  (NormFormer) fall back to fairseq's modules, and the log says why;
+* ``--specdec-backend`` reaches the generator fairseq-generate builds.
 """
 
 import pytest
@@ -22,7 +22,7 @@ import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import NATBlockDrafter, SpeculativeGenerator, StrictAcceptance
 from fairseq_specdec.generation.lean_verifier import LeanVerifier, lean_unsupported_reason
 from fairseq_specdec.generation.verifier import CachedVerifier
-from fairseq_specdec.generation.verify_passes import build_verifier
+from fairseq_specdec.generation import resolve_backend
 
 
 class PairedVerifier(H.PairedPass):
@@ -117,66 +117,53 @@ def test_pre_norm_and_gelu_decoders(toy_bin, tiny_drafter, extra, gemm):
         paired = PairedVerifier(model, gemm)
         # the fused C++ layer covers ReLU layers, pre- or post-norm; GELU runs as operations
         assert paired.lean.fused == (gemm == "rowgemm" and "gelu" not in extra)
-        gen = SpeculativeGenerator(model, NATBlockDrafter(tiny_drafter[0]), StrictAcceptance(), d, block_size=3, max_len_a=0, max_len_b=12)
-        gen.verifier = paired
+        gen = H.make_generator(model, NATBlockDrafter(tiny_drafter[0]), d, 3, verifier=paired, max_len_a=0, max_len_b=12)
         ref = run_generator(seq_gen(model, d, dict(max_len_a=0, max_len_b=12, min_len=1)), model, H.batches(task, "test", bsz))
         assert_identical(ref, run_generator(gen, model, H.batches(task, "test", bsz)))
         assert paired.passes > 0
         assert paired.widest > 1  # drafts were verified, not only one-token steps
 
 
-def test_normformer_falls_back_under_auto_and_is_refused_under_lean(toy_bin):
+def test_normformer_falls_back_to_fairseqs_modules_and_says_why(toy_bin):
     model, _ = untrained_transformer(toy_bin)
     # what a NormFormer decoder layer (fairseq's scale_attn) carries
     model.decoder.layers[1].attn_ln = torch.nn.LayerNorm(model.decoder.embed_dim)
     reason = lean_unsupported_reason(model.decoder)
     assert reason is not None and "NormFormer" in reason
-    assert type(build_verifier(model, impl="auto")) is CachedVerifier
-    with pytest.raises(ValueError, match="--verify-impl lean cannot run this verifier: .*NormFormer"):
-        build_verifier(model, impl="lean")
-    with pytest.raises(ValueError, match="--verify-impl must be one of"):
-        build_verifier(model, impl="fast")
-    # the plugin's products need the lean pass: refused by name, never ignored
-    with pytest.raises(ValueError, match="--verify-gemm rowgemm needs the lean verify pass.*NormFormer"):
-        build_verifier(model, impl="auto", gemm="rowgemm")
-    with pytest.raises(ValueError, match="--verify-gemm rowgemm needs the lean verify pass; drop --verify-impl fairseq"):
-        build_verifier(model, impl="fairseq", gemm="rowgemm")
-    with pytest.raises(ValueError, match="--verify-gemm must be one of"):
-        build_verifier(model, gemm="mkl")
+    backend = resolve_backend("auto", model, StrictAcceptance())
+    assert type(backend.verifier) is CachedVerifier
+    assert "the lean pass does not run this verifier" in backend.describe() and "NormFormer" in backend.describe()
+    with pytest.raises(ValueError, match="the lean verify pass cannot run this verifier: .*NormFormer"):
+        LeanVerifier(model)
+    with pytest.raises(ValueError, match="the lean pass's products must be one of"):
+        LeanVerifier(untrained_transformer(toy_bin)[0], gemm="mkl")
 
 
 @pytest.mark.slow
-def test_verify_impl_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
-    """fairseq-generate's options build the verify pass they name; both decode
-    what --beam 1 decodes."""
-    from fairseq import checkpoint_utils
+def test_backend_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
+    """fairseq-generate's --specdec-backend builds the verify pass it names,
+    and the benchmark's parts switch (FAIRSEQ_SPECDEC_OFF) the pieces it names."""
+    from fairseq import checkpoint_utils, tasks
 
     kinds = {}
-    for impl in (None, "lean", "fairseq", "gemm-torch", "gemm-rowgemm", "encoder-fairseq"):
+    for backend, off in (("auto", ""), ("reference", ""), ("auto", "products"), ("auto", "encoder"), ("auto", "layers")):
+        if off and not H.gemm_available("rowgemm"):
+            continue
         argv = ["--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "draft-verify",
-                "--drafter-path", random_drafter_checkpoint, "--beam", "1"]
-        if impl is not None and impl.startswith("gemm-"):
-            if not H.gemm_available(impl[5:]):
-                continue
-            argv += ["--verify-gemm", impl[5:]]
-        elif impl == "encoder-fairseq":
-            argv += ["--encoder-impl", "fairseq"]
-        elif impl is not None:
-            argv += ["--verify-impl", impl]
+                "--drafter-path", random_drafter_checkpoint, "--beam", "1", "--specdec-backend", backend]
         cfg = H.generation_cfg(toy_bin, *argv)
-        from fairseq import tasks
-
         task = tasks.setup_task(cfg.task)
         models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
-        gen = task.build_generator(models, cfg.generation)
-        kinds[impl] = gen.verifier.describe()
-    # the toy verifier's layers are ReLU layers: under rowgemm each runs as one
+        with H.environment({"FAIRSEQ_SPECDEC_OFF": off}):
+            gen = task.build_generator(models, cfg.generation)
+        kinds[(backend, off)] = gen.verifier.describe()
+    # the toy verifier's layers are ReLU layers: natively each runs as one
     # fused call, its encoder's too (tests/test_lean_encoder.py)
-    rowgemm_pass = "lean (rowgemm products, fused C++ layers, fused C++ encoder)"
-    default = rowgemm_pass if H.gemm_available("rowgemm") else "lean (torch products)"
-    want = {None: default, "lean": default, "fairseq": "fairseq",
-            "gemm-torch": "lean (torch products)", "gemm-rowgemm": rowgemm_pass,
-            "encoder-fairseq": default.replace(", fused C++ encoder", "")}
+    native = "lean (rowgemm products, fused C++ layers, fused C++ encoder)"
+    default = native if H.gemm_available("rowgemm") else "lean (torch products)"
+    want = {("auto", ""): default, ("reference", ""): "fairseq", ("auto", "products"): "lean (torch products)",
+            ("auto", "encoder"): native.replace(", fused C++ encoder", ""),
+            ("auto", "layers"): native.replace(", fused C++ layers", "")}
     assert kinds == {k: v for k, v in want.items() if k in kinds}
 
 
@@ -186,7 +173,7 @@ def test_input_rows_in_one_call_equal_fairseqs_embedding(toy_bin, monkeypatch, e
     extension: bitwise fairseq's embedding times its scale plus the position
     rows, positions past the table taking its last row."""
     from fairseq_specdec.generation.verify_pass import VerifyPass
-    from fairseq_specdec.utils import rowgemm
+    from fairseq_specdec.kernels import rowgemm
 
     H.skip_unless_gemm("rowgemm")
     model, task = untrained_transformer(toy_bin, *extra)

@@ -176,8 +176,8 @@ def test_draft_policy_keeps_the_beam1_output(setups, name, bsz, option):
     drafters = {}
     for policy in (option, "fixed"):
         drafters[policy] = make()
-        gen = SpeculativeGenerator(model, drafters[policy], StrictAcceptance(), task.target_dictionary,
-                                   block_size=k, draft_policy=policies[policy], **OPTION_SETS["default"])
+        gen = H.make_generator(model, drafters[policy], task.target_dictionary, k, draft_policy=policies[policy],
+                               **OPTION_SETS["default"])
         assert_identical(reference(name, bsz), run_generator(gen, model, samples))
     used, fixed = drafters[option], drafters["fixed"]
     assert set(fixed.ks) == {k}
@@ -208,6 +208,9 @@ REFERENCE = {reference!r}
 class OracleDrafter(Drafter):
     def __init__(self, refs, pad):
         self.refs, self.pad = refs, pad
+
+    def describe(self):
+        return "the reference (an oracle)"
 
     def start_batch(self, state):
         self.ids = state.sample["id"].tolist()

@@ -1,5 +1,5 @@
-"""The row-blocked product kernel (``fairseq_specdec._rowgemm``) behind
-``--verify-gemm rowgemm``.
+"""The row-blocked product kernel (``fairseq_specdec.kernels._native``) behind
+``--specdec-backend auto`` on a CPU.
 
 * it computes ``F.linear`` (and the fused ReLU) for every shape the packing
   has edge cases for: output features not a multiple of the 8-column panels
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_specdec.utils import rowgemm
+from fairseq_specdec.kernels import rowgemm
 
 needs_kernel = pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
 
@@ -102,7 +102,7 @@ def test_refuses_what_it_cannot_compute():
 
 @needs_kernel
 @pytest.mark.parametrize("masked", [False, True])
-def test_fused_block_layer_computes_the_block_layers_operations(masked, monkeypatch):
+def test_fused_block_layer_computes_the_block_layers_operations(masked):
     """The drafter's block layer (pre-norm, bidirectional self-attention over
     its own rows, encoder attention, ReLU feed-forward) as one call of the
     extension gives what its PyTorch operations give, within float rounding.
@@ -122,12 +122,14 @@ def test_fused_block_layer_computes_the_block_layers_operations(masked, monkeypa
         mask[1, ..., 4:] = False  # padding of the second sentence's source
     with torch.no_grad():
         memory = layer.memory(enc)
-        assert layer._fused_args() is not None
-        fused = layer(x, memory, mask)
-        # a build without the fused layer (decided once per layer: the build cannot change)
-        monkeypatch.setattr(rowgemm, "fused_layer_available", lambda: False)
-        layer.__dict__.pop("_specdec_fused_args_float32")
-        assert layer._fused_args() is None
+        lin = [rowgemm.PackedLinear(m.weight, m.bias) for m in (layer.self_qkv, layer.self_out, layer.cross_q,
+                                                                 layer.cross_out, layer.fc1, layer.fc2)]
+        norms = [(ln.weight, ln.bias) for ln in (layer.ln_self, layer.ln_cross, layer.ln_ffn)]
+        d = 64 // layer.heads
+        cross = tuple(t.reshape(3 * layer.heads, -1, d) for t in memory)
+        scale = d ** -0.5
+        fused = rowgemm.fused_layer(x, rowgemm.packed_pairs(lin), norms, float(layer.ln_self.eps), layer.heads, scale,
+                                    layer.heads, scale, True, cross, ~mask.reshape(3, -1))
         ops = layer(x, memory, mask)
     assert torch.allclose(fused, ops, atol=2e-5, rtol=1e-4), (fused - ops).abs().max()
     if masked:  # the mask matters: without it the second row's output changes
@@ -183,37 +185,6 @@ def test_packed_linear_refuses_an_unknown_precision():
         pytest.skip(rowgemm.unavailable_reason())
     with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got 'float16'"):
         rowgemm.PackedLinear(torch.randn(8, 8), precision="float16")
-
-
-@pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
-def test_fused_block_layer_with_bfloat16_panels_is_the_layer_of_rounded_weights():
-    """The drafter's fused block layer in bfloat16 computes bitwise what the
-    float32 layer computes after its six packed products' weights are
-    rounded to bfloat16 (biases and norms stay float32); the float32 and
-    bfloat16 packs are kept side by side, each rebuilt when a weight changes."""
-    import copy
-
-    from fairseq_specdec.models.specdec_vsd import BlockLayer
-
-    torch.manual_seed(1)
-    layer = BlockLayer(64, 4, 96, dropout=0.0).eval()
-    rounded = copy.deepcopy(layer)
-    with torch.no_grad():
-        for name in ("self_qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2"):
-            w = getattr(rounded, name).weight
-            w.copy_(w.to(torch.bfloat16).float())
-        x, enc = torch.randn(2, 4, 64), torch.randn(2, 6, 64)
-        memory = layer.memory(enc)
-        mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
-        half = layer(x, memory, mask, "bfloat16")
-        assert torch.equal(half, rounded(x, memory, mask, "float32"))
-        full = layer(x, memory, mask)
-        assert not torch.equal(half, full)
-        torch.testing.assert_close(half, full, rtol=0.05, atol=0.05)
-        layer.fc2.weight.mul_(2.0)  # an in-place change reaches both packs
-        rounded.fc2.weight.mul_(2.0)
-        assert torch.equal(layer(x, memory, mask, "bfloat16"), rounded(x, memory, mask, "float32"))
-        assert not torch.equal(layer(x, memory, mask), full)
 
 
 @pytest.mark.skipif(rowgemm.unavailable_reason() is not None or not rowgemm.draft_pick_available(),

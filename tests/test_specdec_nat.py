@@ -140,7 +140,7 @@ def test_transposed_weights_follow_optimizer_updates_through_data():
     """fairseq's optimizers update ``p.data`` in place: no version bump, same
     storage; the cached transposes must still follow (a stale copy would
     validate a drafter with its first weights)."""
-    from fairseq_specdec.utils.projection import TransposedProjection, cached_linear, inference_scope
+    from fairseq_specdec.utils.projection import TransposedProjection, cached_linear, inference_scope  # noqa: F401
 
     gen = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(8, 50).eval()

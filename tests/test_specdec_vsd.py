@@ -11,7 +11,7 @@ import torch
 
 import specdec_helpers as H
 from fairseq_specdec.generation.drafters import VerifierStateDrafter, drafter_for_model
-from fairseq_specdec.utils import rowgemm
+from fairseq_specdec.kernels import rowgemm
 
 VSD_ARGS = H.VSD_ARGS
 
@@ -70,7 +70,7 @@ def test_vsd_trains_above_chance_and_is_small(vsd_training, ar_checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("bsz", [1, 16])
 @pytest.mark.parametrize("extra", [[], ["--adaptive-draft"], ["--adaptive-draft", "--draft-min-confidence", "0.3"],
-                                   ["--draft-precision", "float32"]])
+                                   ["--specdec-backend", "reference"]])
 def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz, extra):
     ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify", batch_size=bsz).stdout)
     proc = H.generate(
@@ -80,9 +80,11 @@ def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz
     H.assert_same_hypotheses(ref, H.parse_generate(proc.stdout))
     out = proc.stdout + proc.stderr
     assert "specdec_vsd drafter" in out
-    # the default weights are bfloat16 wherever the kernel runs with them
-    precision = "float32" if "float32" in extra or not rowgemm.bfloat16_available() else "bfloat16"
-    assert f"{precision} weights" in out
+    # natively the drafter's weights are bfloat16 wherever the kernel runs with them
+    if "reference" in extra or rowgemm.unavailable_reason() is not None:
+        assert "torch operations" in out
+    else:
+        assert ("bfloat16 weights" if rowgemm.bfloat16_available() else "float32 weights") in out
     # drafts get accepted: more than one token per verifier call
     import re
 
@@ -202,12 +204,16 @@ def test_decoding_gathers_the_slots_position_rows_and_soft_copy_from_a_table():
 
 
 @pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
-def test_decoding_builds_its_input_rows_in_one_call_of_the_extension(monkeypatch):
-    """On a CPU where the kernel runs, a decoding pass builds its context and
-    slot rows in one call (rowgemm.block_input): the block states equal those
-    of the tensor operations within float rounding, at positions past the
-    table's last row too (they take its last row), in a padded batch."""
+def test_native_pass_computes_the_models_block_states(monkeypatch):
+    """The drafter's native pass (NativeBlockPass: its input rows in one call
+    of rowgemm.block_input, each block layer in one call) gives the block
+    states of the model's own operations within float rounding, at positions
+    past the table's last row too (they take its last row), in a padded batch."""
+    from fairseq_specdec.generation.vsd_native import NativeBlockPass, native_block_pass_reason
+
     model, encoder_out = _random_vsd_model()
+    assert native_block_pass_reason(model) is None
+    native = NativeBlockPass(model)
     ctx_states, ctx_tokens = torch.randn(2, 32), torch.tensor([5, 9])
     calls = []
     fused_call = rowgemm.block_input
@@ -215,26 +221,22 @@ def test_decoding_builds_its_input_rows_in_one_call_of_the_extension(monkeypatch
     with torch.no_grad():
         table = model.source_memory(encoder_out, positions=30)
         for k, cuts in ((4, torch.tensor([0, 3])), (3, torch.tensor([28, 11])), (1, torch.tensor([40, 0]))):
-            got = model.block_states(table, ctx_states, ctx_tokens, cuts, None, k)
-            with monkeypatch.context() as m:
-                m.setattr(rowgemm, "block_input_available", lambda: False)
-                expected = model.block_states(table, ctx_states, ctx_tokens, cuts, None, k)
+            got = native.block_states(table, ctx_states, ctx_tokens, cuts, k)
+            expected = model.block_states(table, ctx_states, ctx_tokens, cuts, None, k)
             assert got.shape == (2, k, 32)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert len(calls) == 3
-    with torch.enable_grad():  # training keeps the operations (gradients)
-        model.block_states(table, ctx_states, ctx_tokens, torch.tensor([0, 3]), None, 2)
     assert len(calls) == 3
 
 
 @pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
 def test_bfloat16_drafting_pass_reads_the_weights_rounded_to_bfloat16():
-    """A decoding pass with precision bfloat16 gives bitwise the float32
-    pass of a model whose packed products' weights (the fuse product and
-    the block layers' six) are rounded to bfloat16; the other weights (the
-    memory's projection, the tables) are unchanged; the float32 pass of the
-    same model is kept apart (not rounded)."""
+    """A native pass with bfloat16 weights gives bitwise the float32 native
+    pass of a model whose packed products' weights (the fuse product and the
+    block layers' six) are rounded to bfloat16; the other weights (the
+    memory's projection, the tables) are unchanged."""
     import copy
+
+    from fairseq_specdec.generation.vsd_native import NativeBlockPass
 
     model, encoder_out = _random_vsd_model()
     rounded = copy.deepcopy(model)
@@ -248,11 +250,17 @@ def test_bfloat16_drafting_pass_reads_the_weights_rounded_to_bfloat16():
         rounded_table = rounded.source_memory(encoder_out, positions=30)
         for name in ("copy_base", "mask"):
             assert torch.equal(table[name], rounded_table[name])
-        half = model.block_states(table, ctx_states, ctx_tokens, cuts, None, 3, "bfloat16")
-        assert torch.equal(half, rounded.block_states(rounded_table, ctx_states, ctx_tokens, cuts, None, 3, "float32"))
-        full = model.block_states(table, ctx_states, ctx_tokens, cuts, None, 3)
+        half = NativeBlockPass(model, "bfloat16").block_states(table, ctx_states, ctx_tokens, cuts, 3)
+        assert torch.equal(half, NativeBlockPass(rounded).block_states(rounded_table, ctx_states, ctx_tokens, cuts, 3))
+        full = NativeBlockPass(model).block_states(table, ctx_states, ctx_tokens, cuts, 3)
         assert not torch.equal(half, full)
-        assert torch.equal(full, model.block_states(table, ctx_states, ctx_tokens, cuts, None, 3, "float32"))
+        # an in-place change of a weight (an optimizer's) reaches the packed layouts
+        native, rounded_native = NativeBlockPass(model, "bfloat16"), NativeBlockPass(rounded)
+        native.block_states(table, ctx_states, ctx_tokens, cuts, 3)
+        model.layers[0].fc2.weight.mul_(2.0)
+        rounded.layers[0].fc2.weight.mul_(2.0)
+        assert torch.equal(native.block_states(table, ctx_states, ctx_tokens, cuts, 3),
+                           rounded_native.block_states(rounded_table, ctx_states, ctx_tokens, cuts, 3))
 
 
 @pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")
@@ -260,7 +268,7 @@ def test_shortlist_projection_in_bfloat16_projects_with_the_rounded_weight():
     """The drafter's output projection onto the shortlist in bfloat16 is
     bitwise the float32 projection of the rounded weight, source types
     outside the shortlist included (those stay float32 products)."""
-    from fairseq_specdec.generation.drafters import ShortlistProjection
+    from fairseq_specdec.generation.drafters import DraftKernels, ShortlistProjection
 
     torch.manual_seed(2)
     weight = torch.randn(50, 32)
@@ -268,38 +276,36 @@ def test_shortlist_projection_in_bfloat16_projects_with_the_rounded_weight():
     rounded[:20] = weight[:20].to(torch.bfloat16).float()  # the 20 frequent types are packed
     src = torch.tensor([[3, 30, 44, 1]])
     x = torch.randn(1, 3, 32)
-    half, full = ShortlistProjection(20, 50, True, (1,), "bfloat16"), ShortlistProjection(20, 50, True, (1,))
+    half = ShortlistProjection(20, 50, True, (1,), DraftKernels(products=True, precision="bfloat16"))
+    full = ShortlistProjection(20, 50, True, (1,), DraftKernels(products=True))
     half.start_batch(weight, None, src)
     full.start_batch(rounded, None, src)
     assert torch.equal(half.vocab, full.vocab) and half.vocab.tolist()[20:] == [30, 44]
     assert torch.equal(half(x), full(x))
 
 
-def test_draft_precision_resolves_auto_and_refuses_what_cannot_apply(toy_bin):
-    """--draft-precision: auto is bfloat16 for a specdec_vsd drafter where the
-    kernel runs with bfloat16 panels, float32 elsewhere; bfloat16 for a
-    drafter the kernel does not compute is refused with the option's name."""
-    import torch.nn as nn
+def test_the_backend_decides_what_drafters_compute_natively(toy_bin):
+    """auto: drafters' products natively, in bfloat16 where the kernel has
+    bfloat16 panels, the pick and the vsd pass through the kernels; the
+    benchmark's parts switch each off; reference: torch's operations only."""
+    from fairseq_specdec.generation import StrictAcceptance, resolve_backend
+    from fairseq_specdec.generation.drafters import NO_KERNELS
 
-    from fairseq_specdec.generation.drafters import draft_precision
-    from fairseq_specdec.models.protocol import SourceReadingDrafterModel
+    from test_lean_verifier import untrained_transformer
 
-    model, _ = _random_vsd_model()
-    expected = "bfloat16" if rowgemm.bfloat16_available() else "float32"
-    assert draft_precision("auto", model) == expected
-    assert draft_precision("float32", model) == "float32"
-    with pytest.raises(ValueError, match="--draft-precision must be one of auto, float32, bfloat16, got 'half'"):
-        draft_precision("half", model)
-
-    class NatLike(nn.Module, SourceReadingDrafterModel):
-        pass
-
-    assert draft_precision("auto", NatLike()) == "float32"
-    with pytest.raises(ValueError, match="--draft-precision bfloat16 applies to specdec_vsd drafters .* NatLike"):
-        draft_precision("bfloat16", NatLike())
-    if rowgemm.unavailable_reason() is None:
-        with pytest.raises(ValueError, match="--draft-precision bfloat16 .* not float32 on the CPU"):
-            draft_precision("bfloat16", model.double())
+    verifier, _ = untrained_transformer(toy_bin)
+    strict = StrictAcceptance()
+    assert resolve_backend("reference", verifier, strict).drafting == NO_KERNELS
+    auto = resolve_backend("auto", verifier, strict).drafting
+    if rowgemm.unavailable_reason() is not None:
+        assert auto == NO_KERNELS
+        return
+    assert auto.products and auto.pick and auto.block
+    assert auto.precision == ("bfloat16" if rowgemm.bfloat16_available() else "float32")
+    assert resolve_backend("auto", verifier, strict, off={"bf16"}).drafting.precision == "float32"
+    assert not resolve_backend("auto", verifier, strict, off={"pick"}).drafting.pick
+    assert not resolve_backend("auto", verifier, strict, off={"block"}).drafting.block
+    assert resolve_backend("auto", verifier, strict, off={"products"}).drafting == NO_KERNELS
 
 
 @pytest.mark.skipif(not rowgemm.draft_pick_available(), reason="the kernel or its draft_pick is not available")
@@ -308,12 +314,12 @@ def test_shortlist_pick_in_one_call_matches_log_softmax_max(monkeypatch):
     log-probs of log_softmax + max over the projection (the source types
     outside the shortlist included, BOS and padding never picked), and the
     torch path is taken where the call is not available."""
-    from fairseq_specdec.generation.drafters import ShortlistProjection
+    from fairseq_specdec.generation.drafters import DraftKernels, ShortlistProjection
 
     torch.manual_seed(5)
     weight = torch.randn(60, 32) * 0.5
     src = torch.tensor([[3, 30, 44, 57]])
-    projection = ShortlistProjection(25, 60, True, (0, 1))
+    projection = ShortlistProjection(25, 60, True, (0, 1), DraftKernels(products=True, pick=True))
     projection.start_batch(weight, None, src)
     x = torch.randn(4, 3, 32)
     x[0, 0] = weight[44] * 3  # a source type outside the shortlist wins

@@ -1,13 +1,12 @@
-"""The static-shape verify pass (``--cuda-graphs static``, and ``on`` on a GPU).
+"""The static-shape verify pass (what ``--specdec-backend auto`` replays as CUDA graphs on a GPU), run eagerly on the CPU.
 
 * pass by pass its log-probs and final states equal the lean pass's on the
   same state (ragged batches, rows retiring into smaller buckets), and the
   strict output equals fairseq's ``--beam 1``;
 * the spare rows of a bucket and the cache positions past each row's input
   never reach the output, whatever they hold;
-* the option reaches the generator fairseq-generate builds, and what cannot
-  run is refused by name (graphs on a CPU, with fairseq's layer modules, with
-  the rowgemm kernel);
+* the backend's choice reaches the generator fairseq-generate builds, and
+  what cannot run is refused by name (graphs on a CPU);
 * on a GPU (skipped without one): graphs are captured once per shape and
   replayed, with the static pass's output.
 """
@@ -19,7 +18,6 @@ from specdec_helpers import OPTION_SETS, assert_identical, partly_right, run_gen
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation.lean_verifier import LeanVerifier
 from fairseq_specdec.generation.static_verifier import StaticVerifier, bucket_rows
-from fairseq_specdec.generation.verify_passes import build_verifier
 
 
 class PairedStatic(H.PairedPass):
@@ -98,7 +96,7 @@ def test_spare_rows_and_scratch_never_reach_the_output(verifier, beam1_reference
 
 @pytest.mark.slow
 def test_batches_over_max_rows_run_the_lean_pass_as_it_is(verifier, beam1_reference):
-    """What --cuda-graphs auto does with a half-precision verifier on a GPU (max_rows 1), here without graphs."""
+    """What --specdec-backend auto does with a half-precision verifier on a GPU (max_rows 1), here without graphs."""
     model, task = verifier
     d = task.target_dictionary
     for bsz, dynamic in ((1, False), (3, True)):
@@ -111,69 +109,65 @@ def test_batches_over_max_rows_run_the_lean_pass_as_it_is(verifier, beam1_refere
 
 
 def test_auto_resolves_to_what_was_measured():
-    """--cuda-graphs auto: whole iterations and the verify pass's graphs at
-    every batch size for a float32 CUDA verifier (measured on an H200), the
-    verify pass's graphs at batch 1 in half precision, nothing on a CPU or
-    where the lean pass computes with rowgemm or the lean encoder."""
-    from fairseq_specdec.generation.verify_passes import AUTO_GRAPH_ROWS, resolve_cuda_graphs
+    """--specdec-backend auto on a CUDA verifier: whole iterations and the
+    verify pass's graphs at every batch size in float32 (measured on an
+    H200), the verify pass's graphs at batch 1 in half precision; the
+    benchmark's parts switch them off."""
+    from fairseq_specdec.generation.backend import AUTO_GRAPH_ROWS, cuda_graph_choice
 
-    assert resolve_cuda_graphs("auto", "cuda", torch.float32) == ("iteration", None)
+    assert cuda_graph_choice(torch.float32) == ("iteration", None)
     for half in (torch.float16, torch.bfloat16):
-        assert resolve_cuda_graphs("auto", "cuda", half) == ("on", AUTO_GRAPH_ROWS) == ("on", 1)
-    assert resolve_cuda_graphs("auto", "cpu", torch.float32) == ("off", None)
-    assert resolve_cuda_graphs("auto", "cuda", torch.float32, gemm="rowgemm") == ("off", None)
-    assert resolve_cuda_graphs("auto", "cuda", torch.float32, encoder="lean") == ("off", None)
-    for choice in ("on", "off", "static", "iteration"):  # an explicit choice is itself, on any device
-        assert resolve_cuda_graphs(choice, "cpu", torch.float16) == (choice, None)
-    with pytest.raises(ValueError, match="--cuda-graphs must be one of"):
-        resolve_cuda_graphs("yes", "cuda", torch.float32)
+        assert cuda_graph_choice(half) == ("on", AUTO_GRAPH_ROWS) == ("on", 1)
+    assert cuda_graph_choice(torch.float32, frozenset({"iteration"})) == ("on", None)
+    assert cuda_graph_choice(torch.float32, frozenset({"graphs"})) == (None, None)
 
 
-def test_the_loop_runs_whole_iterations_where_the_verifier_chose_them(verifier):
-    """The generator asks the verify pass which choice it stands for: whole
-    iterations (eager on a CPU under static) for a drafter on fixed buffers."""
+def test_the_loop_runs_whole_iterations_where_the_backend_chose_them(verifier):
+    """Whole iterations (eager on a CPU with static shapes) for a drafter on
+    fixed buffers; none on the CPU's own choices."""
     model, task = verifier
     d = task.target_dictionary
-    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
     from fairseq_specdec.generation.drafters import NoDrafter
 
-    for graphs, whole in (("static", True), ("off", False), ("auto", False)):
-        gen = SpeculativeGenerator(model, NoDrafter(), StrictAcceptance(), d, block_size=1, cuda_graphs=graphs,
-                                   verify_gemm="torch")
-        assert (gen.iteration_graphs is not None) == whole, graphs
+    for static, whole in (("static", True), ("on", False), (None, False)):
+        if static == "on":
+            continue  # graphs need a CUDA device (test_refusals)
+        gen = H.make_generator(model, NoDrafter(), d, 1, static=static)
+        assert (gen.iteration_graphs is not None) == whole, static
         if whole:
             assert gen.verifier.choice == "static" and not gen.iteration_graphs.graphs
 
 
 def test_refusals(verifier):
+    from fairseq_specdec.generation import StrictAcceptance, resolve_backend
+
     model, _ = verifier
-    assert type(build_verifier(model, graphs="auto")) is LeanVerifier  # auto: no graphs on a CPU
-    assert type(build_verifier(model, graphs="off")) is LeanVerifier
-    static = build_verifier(model, graphs="static", gemm="torch")
+    strict = StrictAcceptance()
+    assert type(resolve_backend("auto", model, strict).verifier) is LeanVerifier  # no graphs on a CPU
+    static = resolve_backend("auto", model, strict, static="static").verifier
     assert type(static) is StaticVerifier and not static.graphs
     assert static.describe() == "lean (static shapes, torch products)"
-    with pytest.raises(ValueError, match="--cuda-graphs on needs the verifier on a CUDA device"):
-        build_verifier(model, graphs="on")
-    with pytest.raises(ValueError, match="--cuda-graphs static needs the lean verify pass; drop --verify-impl fairseq"):
-        build_verifier(model, impl="fairseq", graphs="static")
-    with pytest.raises(ValueError, match="--cuda-graphs static computes with torch's products; drop --verify-gemm rowgemm"):
-        build_verifier(model, gemm="rowgemm", graphs="static")
-    with pytest.raises(ValueError, match="--cuda-graphs must be one of"):
-        build_verifier(model, graphs="yes")
+    with pytest.raises(ValueError, match="CUDA graphs need the verifier on a CUDA device"):
+        resolve_backend("auto", model, strict, static="on")
+    with pytest.raises(ValueError, match="--specdec-backend must be one of auto, reference"):
+        resolve_backend("fast", model, strict)
 
 
 @pytest.mark.slow
-def test_cuda_graphs_option_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
+def test_backend_option_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
     from fairseq import checkpoint_utils, tasks
 
+    from fairseq_specdec.generation import CachedVerifier
+
     cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "draft-verify",
-                           "--drafter-path", random_drafter_checkpoint, "--beam", "1", "--cuda-graphs", "static")
+                           "--drafter-path", random_drafter_checkpoint, "--beam", "1", "--specdec-backend", "reference")
     task = tasks.setup_task(cfg.task)
     models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
     gen = task.build_generator(models, cfg.generation)
-    assert isinstance(gen.verifier, StaticVerifier) and not gen.verifier.graphs
-    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--cuda-graphs", "static")
-    with pytest.raises(ValueError, match="--cuda-graphs static applies to speculative decodings only"):
+    assert type(gen.verifier) is CachedVerifier and not gen.fused_accept
+    assert gen.backend.name == "reference"
+    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--specdec-backend", "reference")
+    with pytest.raises(ValueError, match="--specdec-backend reference applies to speculative decodings only"):
         tasks.setup_task(cfg.task).build_generator(models, cfg.generation)
 
 

@@ -4,7 +4,7 @@ Optimizers write through ``p.data``: no version bump, same storage."""
 import pytest
 import torch
 
-from fairseq_specdec.utils import rowgemm
+from fairseq_specdec.kernels import rowgemm
 from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch
 
 # every test runs with the extension's signatures (csrc/watch.cpp) and with the tensor operations

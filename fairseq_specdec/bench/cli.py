@@ -151,10 +151,10 @@ def build_parser(decodings) -> argparse.ArgumentParser:
                              "checkpoint under two labels compares two settings)")
     parser.add_argument("--variant", action="append", metavar="LABEL[:ROWS]=OPTIONS",
                         help="run every row of the plugin's decodings (not fairseq's, not CTranslate2's) again with "
-                             "more fairseq-generate options, named ROW+LABEL, e.g. --variant 'graphs=--cuda-graphs on' "
+                             "more fairseq-generate options, named ROW+LABEL, e.g. --variant 'no-graphs=FAIRSEQ_SPECDEC_OFF=graphs' "
                              "(repeatable; every row is still compared with the same beam 5 and beam 1 rows); "
                              "LABEL:ROWS=OPTIONS runs only the rows of those --rows kinds again, e.g. "
-                             "'graphs:loop-greedy,strict=--cuda-graphs on'")
+                             "'no-accept:loop-greedy,strict=FAIRSEQ_SPECDEC_OFF=accept'")
     parser.add_argument("--blockwise", help="blockwise_transformer checkpoint (row blockwise); its base should be the verifier")
     parser.add_argument("--rows", default="beam5,beam1,strict,relaxed",
                         help=f"decoders to run: {', '.join(BUILTIN_ROWS)} (strict and relaxed: draft-verify with every "

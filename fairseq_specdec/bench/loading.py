@@ -1,6 +1,41 @@
 """Build one row's decoder exactly as ``fairseq-generate`` builds it."""
 import os
-from typing import Dict
+import re
+from contextlib import contextmanager
+from typing import Dict, List, Tuple
+
+_ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
+
+
+def split_environment(extra: List[str]) -> Tuple[Dict[str, str], List[str]]:
+    """A row's options as ``(environment, fairseq-generate options)``: the
+    ``NAME=value`` words (environment assignments with an upper-case name,
+    e.g. ``FAIRSEQ_SPECDEC_OFF=accept``; no fairseq option or value looks
+    like one) are set while the row's generator is built; the rest are
+    fairseq-generate's options, in their order."""
+    env, rest = {}, []
+    for word in extra:
+        match = _ASSIGNMENT.match(word)
+        if match is None:
+            rest.append(word)
+        else:
+            env[match.group(1)] = match.group(2)
+    return env, rest
+
+
+@contextmanager
+def environment(env: Dict[str, str]):
+    """``os.environ`` with ``env`` set inside, as it was after."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 #: the plugin directory, fairseq's ``--user-dir`` when the row names no other plugin
 PLUGIN = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +53,7 @@ def generate_argv(spec: Dict) -> list:
         argv.append("--cpu")
     if spec.get("fp16"):  # fairseq-generate --fp16: every model cast to float16
         argv.append("--fp16")
-    return argv + list(spec.get("extra", []))
+    return argv + split_environment(list(spec.get("extra", [])))[1]
 
 
 def setup_task(spec: Dict):
@@ -76,7 +111,9 @@ def batch_source(spec: Dict, task, cfg, max_positions, task_cfg=None):
 
 def load_decoder(spec: Dict):
     """Models, task and generator of one configuration, exactly as
-    ``fairseq-generate`` builds them, with threads pinned.  Returns
+    ``fairseq-generate`` builds them, with threads pinned (and the row's
+    environment assignments set while its generator is built:
+    :func:`split_environment`).  Returns
     ``(task, models, generator, batches)``; ``batches()`` yields the test set
     (its first ``spec["limit"]`` sentences) in fairseq's batch order, on the
     spec's device (``"cpu"`` unless ``spec["device"]`` says ``"cuda"``)."""
@@ -97,5 +134,6 @@ def load_decoder(spec: Dict):
     # the dataset is loaded after the checkpoint, with its task config, as fairseq-generate does
     max_positions = utils.resolve_max_positions(task.max_positions(), *[m.max_positions() for m in models])
     batches = batch_source(spec, task, cfg, max_positions, task_cfg=saved_cfg.task)
-    generator = task.build_generator(models, cfg.generation)
+    with environment(split_environment(list(spec.get("extra", [])))[0]):
+        generator = task.build_generator(models, cfg.generation)
     return task, models, generator, batches

@@ -42,9 +42,6 @@ import sys
 import time
 from collections import defaultdict
 
-from ..generation.drafters import BlockwiseHeadsDrafter, NoDrafter
-from ..generation.ngram import NgramDrafter
-from ..models.protocol import VerifierStateDrafterModel
 from ..utils.projection import WeightsWatch
 from .loading import load_decoder
 from .timing import fairseq_decode, timed_batches, warm_up
@@ -140,34 +137,14 @@ def greedy_components(generator):
 
 def draft_verify_components(generator):
     """(object, method, name[, required]) of the speculative loop's parts:
-    the drafter's (none for loop-greedy; the heads' update for blockwise
-    decoding) and the verify pass's."""
+    what the drafter and the verify pass each declare they are made of
+    (``Drafter.timed_parts``, ``VerifyPass.timed_parts``), so that a decoding
+    registered by another plugin is profiled by its own parts."""
     k = generator.block_size
-    drafter = generator.drafter
-    model = getattr(drafter, "model", None)
-    yield generator.verifier, "encode", "verifier encoder"
-    if isinstance(drafter, NoDrafter):
-        pass
-    elif isinstance(drafter, BlockwiseHeadsDrafter):
-        yield drafter, "start_batch", "drafter start of batch (the heads' layout, the shortlist)"
-        yield drafter, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
-    elif isinstance(drafter, NgramDrafter):
-        yield drafter, "start_batch", "drafter start of batch (retrieval, the neighbours' table)"
-        yield drafter, "propose", f"n-gram lookups (up to {k} drafts)"
-    elif isinstance(model, VerifierStateDrafterModel):
-        yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-        yield drafter, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
-        yield model, "block_states", f"{SUB}drafter block layers"
-        yield drafter, "update", "drafter feedback (the verifier's state)"
-    else:
-        yield drafter, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-        yield drafter, "propose", f"drafter pass (prefix + up to {k} masks)"
-        decoder = getattr(model, "decoder", None)
-        yield decoder, "output_layer", f"{SUB}drafter vocabulary projection (up to {k} rows)"
-    yield generator.verifier, "forward", f"verifier pass (up to {k + 1} tokens)"
-    yield generator.verifier, "_logits", f"{SUB}verifier vocabulary projection (up to {k + 1} rows)"
-    yield generator.verifier, "rollback", "KV-cache rollback", False
-    yield generator.verifier, "reorder", "row removal", False
+    verifier = list(generator.verifier.timed_parts(k))
+    yield verifier[0]  # the encoder first: it runs before the drafter's start of batch
+    yield from generator.drafter.timed_parts(k)
+    yield from verifier[1:]
 
 
 def rows_of(label, total, sentences, timers, iterations):

@@ -9,7 +9,7 @@ weights), on ``--threads`` threads (default 1):
   read bandwidth over a buffer the size of the decoder's weights (so a
   verifier whose weights fit in the caches is judged by the caches' speed);
 * for each product implementation the lean verify pass can use
-  (``--verify-gemm torch`` and, where the extension runs, ``rowgemm``) and
+  (torch's, and where the extension runs the native ``rowgemm``) and
   m = 1 ... ``--max-m``: the measured cost of one verify pass of m tokens at
   batch 1 over a prefix of ``--prefix`` tokens; its matrix products alone,
   run back to back with the same inputs; and the rest (attention, norms,
@@ -24,7 +24,7 @@ weights), on ``--threads`` threads (default 1):
   costs not counted, so this is a lower bound).
 
 ``--json`` prints one object, among others ``{"verify_ms": {"1": ..., "2":
-..., ...}}`` for the default product implementation (``--verify-gemm auto``).
+..., ...}}`` for the products ``--specdec-backend auto`` uses.
 """
 import argparse
 import json
@@ -171,7 +171,7 @@ class _PassBench:
             hidden = torch.randn(1, m, lw.fc1(x).size(-1))
             calls += [lambda lw=lw: lw.qkv(x), lambda lw=lw: lw.sa_out(x), lambda lw=lw: lw.ca_q(x),
                       lambda lw=lw: lw.ca_out(x), lambda lw=lw: lw.fc1(x), lambda lw=lw, h=hidden: lw.fc2(h)]
-        calls.append(lambda: self.verifier._logits(x))
+        calls.append(lambda: self.verifier.logits(x))
         return calls
 
     def count_ops(self, m: int) -> int:
@@ -208,7 +208,7 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
     import torch
 
     from ..generation.lean_verifier import resolve_gemm
-    from ..utils import rowgemm
+    from ..kernels import rowgemm
 
     weight = next(model.parameters())
     default = resolve_gemm("auto", weight)
@@ -268,7 +268,7 @@ def format_report(name: str, result: Dict) -> str:
         f"machine: {mach['peak_gflops']} GFLOP/s float32 product peak; {mach['read_gbs']} GB/s reading "
         f"{result['weights']['mbytes']} MB (the weights a pass reads: {result['weights']['params']:,} parameters); "
         f"{mach['op_overhead_us']} us per tensor operation",
-        f"default products (--verify-gemm auto): {result['default_gemm']}",
+        f"default products (--specdec-backend auto): {result['default_gemm']}",
         "",
         "| products | m | verify ms | x m=1 | products ms | ideal products ms | rest ms | ops | ops x overhead ms |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="time spent on each measurement, in 5 rounds whose fastest counts (default 1.0)")
-    p.add_argument("--gemm", default=None, help="comma-separated --verify-gemm implementations to measure "
+    p.add_argument("--gemm", default=None, help="comma-separated product implementations to measure "
                    "(default: torch, and rowgemm where it runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")

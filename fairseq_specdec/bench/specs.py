@@ -106,7 +106,7 @@ class Variant:
         wanted = tuple("strict" if k.strip() == DRAFT_VERIFY else k.strip() for k in kinds.split(",") if k.strip())
         if not sep or not LABEL.fullmatch(label) or not options.split() or (colon and not wanted):
             raise ValueError(f"--variant {value!r}: expected LABEL=OPTIONS or LABEL:ROW,ROW=OPTIONS, e.g. "
-                             "'graphs=--cuda-graphs on' or 'graphs:loop-greedy,strict=--cuda-graphs on'")
+                             "'no-graphs=FAIRSEQ_SPECDEC_OFF=graphs' or 'no-accept:loop-greedy,strict=FAIRSEQ_SPECDEC_OFF=accept' (NAME=value words are environment assignments set while the row's generator is built)")
         return cls(label, tuple(options.split()), wanted or None)
 
     def applies(self, spec: Dict) -> bool:

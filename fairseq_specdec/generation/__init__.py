@@ -4,9 +4,9 @@ from .drafters import (  # noqa: F401
     BlockwiseHeadsDrafter, Drafter, NATBlockDrafter, NoDrafter, SourceCopyDrafter, VerifierStateDrafter, drafter_for_model,
 )
 from .registry import DECODINGS, Decoding, register_decoding  # noqa: F401
-from .speculative import DraftLengthPolicy, SpeculativeGenerator  # noqa: F401
+from .speculative import DecodeSettings, DraftLengthPolicy, SpeculativeGenerator  # noqa: F401
 from .state import DecodingState, Feedback  # noqa: F401
 from .stats import SentenceCounter, SpecDecStats  # noqa: F401
 from .verifier import CachedVerifier  # noqa: F401
 from .verify_pass import VerifyPass  # noqa: F401
-from .verify_passes import build_verifier  # noqa: F401
+from .backend import BACKENDS, Backend, resolve_backend  # noqa: F401

@@ -11,28 +11,24 @@ to a B x k bool tensor "draft j is acceptable at its slot".  The loop keeps the
 longest acceptable prefix and then the verifier's own token.
 
 A rule also states ``uses_draft_scores`` (it reads the drafter's log-probs)
-and ``fused`` (the extension's one-call step, ``--accept-impl fused``,
-computes it: strict acceptance only).
+and ``fused`` (the native extension's one-call step computes it, where the
+backend chose that step: strict acceptance only).
 """
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..utils import rowgemm
+from ..kernels import rowgemm
 
 VERIFY_SCORES = ("verifier", "drafter")
-
-#: ``--accept-impl`` choices: how the loop goes from the verify pass's
-#: log-probs to the tokens it appends (fairseq's rules, greedy picks, the rule)
-ACCEPT_IMPLS = ("auto", "fused", "torch")
 
 
 class StrictAcceptance:
     """Accept a draft only if it is the verifier's greedy token: lossless."""
 
     uses_draft_scores = False
-    #: the extension's ``strict_step`` (``--accept-impl fused``) computes this rule
+    #: the extension's ``strict_step`` (the native acceptance step) computes this rule
     fused = True
 
     def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
@@ -84,7 +80,7 @@ class TopBetaAcceptance:
 
 
 def fused_accept_reason(rule, unk_penalty: float) -> Optional[str]:
-    """Why ``--accept-impl fused`` cannot run ``rule`` (None: it can, on a
+    """Why the native acceptance step cannot run ``rule`` (None: it can, on a
     CPU verifier's float32 log-probs): the extension's one call computes
     strict acceptance under fairseq's rules without ``--unkpen``."""
     if not rule.fused:

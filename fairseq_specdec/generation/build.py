@@ -10,11 +10,12 @@ from fairseq import checkpoint_utils
 
 from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
+from .backend import resolve_backend
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
-from .speculative import DraftLengthPolicy, SpeculativeGenerator
+from .speculative import DecodeSettings, DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
-    drafter = drafter_for_model(model, verifier, need_scores, source, str(getattr(cfg, "draft_precision", "auto")))
+    drafter = drafter_for_model(model, verifier, need_scores, source, ctx.backend.drafting)
     block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
 
@@ -141,7 +142,8 @@ def _source_copy_drafter(ctx: DrafterContext) -> BuiltDrafter:
         )
     # no cap by default: the whole rest of the source is one draft
     block_size = task.cfg.block_size if task.cfg.block_size is not None else verifier.max_decoder_positions()
-    return BuiltDrafter(SourceCopyDrafter(tgt.pad(), tgt.eos()), block_size, "the source (input-guided)")
+    drafter = SourceCopyDrafter(tgt.pad(), tgt.eos())
+    return BuiltDrafter(drafter, block_size, drafter.describe())
 
 
 def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
@@ -155,10 +157,8 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
     heads = verifier.blockwise_k - 1
     k = ctx.cfg.block_size
     block_size = min(k, heads) if k is not None else heads
-    drafter = BlockwiseHeadsDrafter(verifier)
-    return BuiltDrafter(
-        drafter, block_size, f"{heads} blockwise heads of the verifier (shortlist {drafter.shortlist or 'off'})"
-    )
+    drafter = BlockwiseHeadsDrafter(verifier, kernels=ctx.backend.drafting)
+    return BuiltDrafter(drafter, block_size, drafter.describe())
 
 
 def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
@@ -179,7 +179,8 @@ def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
             f"--decoding {ctx.cfg.decoding} never drafts (one verifier token per iteration): "
             f"--block-size does not apply (got {k}); drop it"
         )
-    return BuiltDrafter(NoDrafter(), 1, "none: one verifier token per iteration")
+    drafter = NoDrafter()
+    return BuiltDrafter(drafter, 1, drafter.describe())
 
 
 #: the built-in decodings (other plugins register theirs the same way); the
@@ -246,7 +247,12 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     cfg = task.cfg
     verifier, drafters = _split_models(task, models)
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
-    built = decoding.build(DrafterContext(task, verifier, drafters, acceptance))
+    temperature, unk_penalty = getattr(args, "temperature", 1.0), getattr(args, "unkpen", 0)
+    if temperature <= 0:
+        raise ValueError("--temperature must be greater than 0")
+    backend = resolve_backend(str(getattr(cfg, "specdec_backend", "auto")), verifier, acceptance, temperature,
+                              unk_penalty)
+    built = decoding.build(DrafterContext(task, verifier, drafters, acceptance, backend))
     if built.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {built.block_size}")
     most = built.drafter.max_block
@@ -255,43 +261,27 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             f"--block-size {built.block_size}: the drafter ({built.description}) drafts at most "
             f"{most} tokens per pass (its --max-block); give --block-size {most} or less"
         )
-    precision = str(getattr(cfg, "draft_precision", "auto"))
-    if precision == "bfloat16" and built.drafter.precision != precision:
-        raise ValueError(
-            f"--draft-precision bfloat16: the drafter of --decoding {cfg.decoding} ({built.description}) reads "
-            "no packed weights to round; drop the option"
-        )
     stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding, append=task.stats_file_started(cfg.specdec_stats))
-    generator = SpeculativeGenerator(
-        verifier,
-        built.drafter,
-        acceptance,
-        task.target_dictionary,
+    settings = DecodeSettings(
         block_size=built.block_size,
         max_len_a=getattr(args, "max_len_a", 0),
         max_len_b=getattr(args, "max_len_b", 200),
         min_len=getattr(args, "min_len", 1),
         normalize_scores=not getattr(args, "unnormalized", False),
         len_penalty=getattr(args, "lenpen", 1),
-        unk_penalty=getattr(args, "unkpen", 0),
-        temperature=getattr(args, "temperature", 1.0),
-        stats=stats,
-        progress=task.sentence_counter,
+        unk_penalty=unk_penalty,
+        temperature=temperature,
         draft_policy=DraftLengthPolicy(
             built.block_size,
             adaptive=cfg.adaptive_draft,
             min_confidence=cfg.draft_min_confidence,
             max_rows=draft_max_rows(getattr(cfg, "draft_max_rows", None), verifier),
         ),
-        verify_impl=str(getattr(cfg, "verify_impl", "auto")),
-        verify_gemm=str(getattr(cfg, "verify_gemm", "auto")),
-        encoder_impl=str(getattr(cfg, "encoder_impl", "auto")),
-        accept_impl=str(getattr(cfg, "accept_impl", "auto")),
-        cuda_graphs=str(getattr(cfg, "cuda_graphs", "auto")),
     )
+    generator = SpeculativeGenerator(backend, built.drafter, acceptance, task.target_dictionary, settings, stats,
+                                     task.sentence_counter)
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
-        f"drafter {built.description}, verify pass {generator.verifier.describe()}, "
-        f"acceptance step {'fused C++' if generator.fused_accept else 'torch'}"
+        f"drafter {built.description}; {backend.describe()}"
     )
     return generator

@@ -33,8 +33,10 @@ A drafter checkpoint (a
 through :func:`drafter_for_model`.
 """
 import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -45,39 +47,67 @@ from ..models.protocol import (
     SourceReadingDrafterModel,
     VerifierStateDrafterModel,
 )
-from ..utils import rowgemm
+from ..kernels import rowgemm
 from ..utils.dictionary import joined_dictionaries
 from ..utils.projection import DerivedWeight, TransposedWeight, WeightsWatch
+from .vsd_native import NativeBlockPass, native_block_pass_reason
 
 
-class Drafter:
-    """Interface; see the module docstring."""
+@dataclass(frozen=True)
+class DraftKernels:
+    """What drafters may compute with the plugin's kernels: the backend
+    (:mod:`~fairseq_specdec.generation.backend`) decides, once per generator.
+    ``products``: packed row-blocked products where a weight allows them;
+    ``precision``: the element type of those packings (float32, bfloat16);
+    ``pick``: a shortlist projection's best type in one call; ``block``: the
+    ``specdec_vsd`` pass through :class:`NativeBlockPass`."""
+
+    products: bool = False
+    precision: str = "float32"
+    pick: bool = False
+    block: bool = False
+
+
+#: torch's operations only (the reference backend, devices the kernels do not run on)
+NO_KERNELS = DraftKernels()
+
+
+class Drafter(ABC):
+    """The drafter contract (see the module docstring): what the loop, the
+    generator's builder and the benchmark call on every drafter.  The four
+    calls of the loop, ``describe`` and ``timed_parts`` are declared here;
+    a drafter must give ``start_batch``, ``propose``, ``reorder`` and
+    ``describe``, and may override the rest."""
 
     #: largest prefix + block length the drafter accepts (None: unlimited)
     max_positions: Optional[int] = None
     #: most tokens one pass can draft (None: any); a larger --block-size is
     #: refused when the generator is built
     max_block: Optional[int] = None
-    #: element type of the packed weights its passes read (``--draft-precision``;
-    #: float32 for a drafter that packs none)
-    precision: str = "float32"
 
     def default_block(self, trained: int) -> int:
         """k when --block-size is not given, for a drafter trained with
         block size ``trained`` (default: ``trained``)."""
         return trained
 
-    def start_batch(self, state) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def describe(self) -> str:
+        """The drafter in a few words, for the log and the benchmark."""
 
+    @abstractmethod
+    def start_batch(self, state) -> None:
+        """Once per batch, with the new state (see the module docstring)."""
+
+    @abstractmethod
     def propose(self, state, k: int) -> Tuple[Tensor, Optional[Tensor]]:
-        raise NotImplementedError
+        """B x k' drafts (k' <= k; pad: no draft) and their log-probs or None."""
 
     def update(self, state, feedback) -> None:
         """Called after every verification pass (see the module docstring)."""
 
+    @abstractmethod
     def reorder(self, order: Tensor, order_host: List[int]) -> None:
-        raise NotImplementedError
+        """Keep only the rows ``order`` (a device tensor, and as host ints)."""
 
     def static_inputs(self) -> bool:
         """Switch to fixed buffers so that ``propose`` can be captured in a
@@ -87,6 +117,15 @@ class Drafter:
     def static_key(self) -> tuple:
         """What the current batch's fixed buffers are (their buckets)."""
         return ()
+
+    def timed_parts(self, k: int) -> Iterator[tuple]:
+        """``(object, method name, label[, required])`` of the calls the
+        profiler times for this drafter (``scripts/profile-draft-verify.py``):
+        by default its start of batch, its pass and its feedback; a label
+        starting "of which: " is a part of the rows above it."""
+        yield self, "start_batch", "drafter start of batch"
+        yield self, "propose", f"drafter pass (up to {k} drafts)"
+        yield self, "update", "drafter feedback", False
 
 
 def row_tails(state, size: int, first: int = 0) -> List[List[int]]:
@@ -112,6 +151,12 @@ def padded_drafts(drafts: List[List[int]], pad: int, like: Tensor) -> Tensor:
 class NoDrafter(Drafter):
     """Never drafts: the loop then takes one verifier token per iteration
     (greedy decoding through the speculative loop)."""
+
+    def describe(self) -> str:
+        return "none: one verifier token per iteration"
+
+    def timed_parts(self, k: int):
+        return iter(())
 
     def start_batch(self, state) -> None:
         pass
@@ -179,6 +224,11 @@ class NATBlockDrafter(Drafter):
         shared = ", sharing the verifier's encoder" if self.shares_encoder else ""
         return f"specdec_nat drafter{shared}"
 
+    def timed_parts(self, k: int):
+        yield self, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
+        yield self, "propose", f"drafter pass (prefix + up to {k} masks)"
+        yield self.model.decoder, "output_layer", f"of which: drafter vocabulary projection (up to {k} rows)"
+
     def start_batch(self, state) -> None:
         net_input = state.net_input
         src_tokens = net_input["src_tokens"]
@@ -222,6 +272,9 @@ class SourceCopyDrafter(Drafter):
         self.pad, self.eos, self.max_ngram = pad, eos, max_ngram
         self.sources = []
         self.index = []
+
+    def describe(self) -> str:
+        return "the source (input-guided)"
 
     def start_batch(self, state) -> None:
         self.sources, self.index = [], []
@@ -272,12 +325,13 @@ class ShortlistProjection:
     every type).  The weight's layout for the frequent (or every) type is
     derived once per weight and kept while the weight is unchanged (a
     :class:`DerivedWeight`): packed for the row-blocked kernel where it runs
-    (:mod:`fairseq_specdec.utils.rowgemm`; drafts may round differently, the
+    (:mod:`fairseq_specdec.kernels.rowgemm`; drafts may round differently, the
     strict output cannot change; in ``precision``, float32 or bfloat16), else
     a contiguous transpose.  Only the few source types outside the frequent
     ones are gathered per batch (float32)."""
 
-    def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...], precision: str = "float32"):
+    def __init__(self, size: int, num_types: int, joined: bool, never: Tuple[int, ...],
+                 kernels: DraftKernels = NO_KERNELS):
         self.size = size if 0 < size < num_types else 0
         self.joined = joined
         self.never = never
@@ -286,14 +340,15 @@ class ShortlistProjection:
         # the frequent (or every) type's layout, callable on x: a rowgemm.PackedLinear where the kernel runs
         self._base = None
         self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
-        self._packed = DerivedWeight(partial(rowgemm.PackedLinear, precision=precision))
+        self.kernels = kernels
+        self._packed = DerivedWeight(partial(rowgemm.PackedLinear, precision=kernels.precision))
         self._transposed = TransposedWeight()
         self._static = {}  # (padded extra types, dtype, device) -> fixed buffers (make_static)
         self._first = None  # ((types, dtype, device), their ids, their zero bias with -inf at never types)
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         base = weight[: self.size] if self.size else weight
-        if rowgemm.applies_to(weight):
+        if self.kernels.products and rowgemm.applies_to(weight):
             self._base = self._packed.get(base)
         else:
             base_t = self._transposed.get(base)
@@ -380,10 +435,11 @@ class ShortlistProjection:
         """The best type (an id of the dictionary) and its log-probability
         under the projection's softmax, for each row of ``x``: one call of
         the extension where the weight is packed for it
-        (:func:`~fairseq_specdec.utils.rowgemm.draft_pick`, a vectorized
+        (:func:`~fairseq_specdec.kernels.rowgemm.draft_pick`, a vectorized
         exp), else ``log_softmax`` and ``max`` of :meth:`__call__`; the two
         round differently, which changes drafts at most."""
-        if isinstance(self._base, rowgemm.PackedLinear) and x.dtype == torch.float32 and rowgemm.draft_pick_available():
+        if self.kernels.pick and isinstance(self._base, rowgemm.PackedLinear) and x.dtype == torch.float32 \
+                and rowgemm.draft_pick_available():
             best, lprobs = rowgemm.draft_pick(x, self._base, self._extra_t, self.bias)
         else:
             lprobs, best = torch.log_softmax(self(x).float(), dim=-1).max(dim=-1)
@@ -404,14 +460,14 @@ class BlockwiseHeadsDrafter(Drafter):
     projection of k-1 rows onto the shortlist.  Padding and BOS are never
     drafted."""
 
-    def __init__(self, model, shortlist: Optional[int] = None):
+    def __init__(self, model, shortlist: Optional[int] = None, kernels: DraftKernels = NO_KERNELS):
         if not isinstance(model, BlockwiseHeadsModel):
             raise ValueError(f"--decoding blockwise needs a blockwise_transformer, got {type(model).__name__}")
         self.model = model
         dictionary = model.decoder.dictionary
         size = model.blockwise_shortlist if shortlist is None else shortlist
         self.projection = ShortlistProjection(
-            size, len(dictionary), joined_dictionaries(model), (dictionary.pad(), dictionary.bos())
+            size, len(dictionary), joined_dictionaries(model), (dictionary.pad(), dictionary.bos()), kernels
         )
         self.pending = None  # B x (k-1) drafts for the next iteration
         self.w1 = self.b1 = self.w2 = self.b2 = None
@@ -420,6 +476,13 @@ class BlockwiseHeadsDrafter(Drafter):
     def shortlist(self) -> int:
         """The shortlist's size (0: every type)."""
         return self.projection.size
+
+    def describe(self) -> str:
+        return f"{self.model.blockwise_k - 1} blockwise heads of the verifier (shortlist {self.shortlist or 'off'})"
+
+    def timed_parts(self, k: int):
+        yield self, "start_batch", "drafter start of batch (the heads' layout, the shortlist)"
+        yield self, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
 
     def start_batch(self, state):
         self.pending = None
@@ -462,20 +525,24 @@ class VerifierStateDrafter(Drafter):
     dictionary).  It returns drafts with their (shortlist) log-probs, so the
     confidence cut of ``--draft-min-confidence`` applies.
 
-    ``precision`` (``--draft-precision``, resolved by
-    :func:`draft_precision`): the element type of the packed weights its
-    passes read where the row-blocked kernel computes them."""
+    ``kernels``: what it may compute with the plugin's kernels (the
+    backend's choice): its pass through :class:`NativeBlockPass` and its
+    shortlist through packed products, in ``kernels.precision``."""
 
     def __init__(self, model, verifier_model, shortlist: int = 0, source: str = "--drafter-path",
-                 precision: str = "float32"):
+                 kernels: DraftKernels = NO_KERNELS):
         model.check_verifier(verifier_model, source)
         self.model = model
-        self.precision = precision
+        self.kernels = kernels
         self.max_block = model.offsets.num_embeddings  # one slot offset per drafted token
         self.projection = ShortlistProjection(
             shortlist, model.num_types, joined_dictionaries(verifier_model), (model.padding_idx, model.dictionary.bos()),
-            precision,
+            kernels,
         )
+        #: the drafting pass through the kernels, where the backend allows it and they run
+        self.native = None
+        if kernels.block and native_block_pass_reason(model) is None:
+            self.native = NativeBlockPass(model, kernels.precision)
         self.memory = None
         self.ctx_states = None
         self.static = False
@@ -568,9 +635,11 @@ class VerifierStateDrafter(Drafter):
     def propose(self, state, k):
         if not self.static:
             self._cover(state, k)
-        states = self.model.block_states(
-            self.memory, self.ctx_states, state.last_tokens().squeeze(1), state.lengths, None, k, self.precision
-        )
+        tokens = state.last_tokens().squeeze(1)
+        if self.native is not None and not self.static:
+            states = self.native.block_states(self.memory, self.ctx_states, tokens, state.lengths, k)
+        else:
+            states = self.model.block_states(self.memory, self.ctx_states, tokens, state.lengths, None, k)
         return self.projection.pick(states)
 
     #: the default draft length where the row-blocked kernel computes the
@@ -585,12 +654,23 @@ class VerifierStateDrafter(Drafter):
         :attr:`KERNEL_BLOCK` (a drafting pass of 1 + k rows and a verify pass
         of k + 1 rows each read every weight once; longer drafts are mostly
         rejected); elsewhere the training k."""
+        if not self.kernels.products:
+            return trained
         return rowgemm.fitting_block(self.model.output_weight, trained, self.KERNEL_BLOCK)
 
     def describe(self) -> str:
         shortlist = self.model.cfg.shortlist
         return (f"specdec_vsd drafter reading the verifier's states (shortlist {shortlist or 'off'}, "
-                f"{self.precision} weights)")
+                f"{'native kernels, ' + self.kernels.precision + ' weights' if self.native is not None else 'torch operations'})")
+
+    def timed_parts(self, k: int):
+        yield self, "start_batch", "drafter start of batch (memory from the verifier's encoder output)"
+        yield self, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
+        if self.native is not None:
+            yield self.native, "block_states", "of which: drafter block layers (native)"
+        else:
+            yield self.model, "block_states", "of which: drafter block layers"
+        yield self, "update", "drafter feedback (the verifier's state)"
 
     def reorder(self, order, order_host) -> None:
         self.memory = self.model.select_memory(self.memory, order)
@@ -599,44 +679,16 @@ class VerifierStateDrafter(Drafter):
             self._to_static()
 
 
-#: ``--draft-precision`` choices
-DRAFT_PRECISIONS = ("auto",) + rowgemm.PRECISIONS
-
-
-def draft_precision(value: str, model) -> str:
-    """The element type of the packed weights a drafter model's passes read,
-    for ``--draft-precision`` ``value``: ``auto`` is bfloat16 for a
-    ``specdec_vsd`` drafter whose passes the row-blocked kernel computes with
-    bfloat16 panels (float32 weights on a CPU with AVX2), float32 otherwise;
-    an explicit bfloat16 that cannot apply is refused, naming the option."""
-    if value not in DRAFT_PRECISIONS:
-        raise ValueError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}, got {value!r}")
-    vsd = isinstance(model, VerifierStateDrafterModel)
-    runs = vsd and rowgemm.applies_to(model.output_weight) and rowgemm.bfloat16_available()
-    if value == "auto":
-        return "bfloat16" if runs else "float32"
-    if value == "bfloat16" and not runs:
-        if not vsd:
-            why = f"the drafter is a {type(model).__name__}, whose passes are torch's operations"
-        else:
-            why = rowgemm.unavailable_reason() or (
-                "its weights are not float32 on the CPU" if not rowgemm.applies_to(model.output_weight)
-                else "the C++ extension has no bfloat16 panels (an older build; reinstall the plugin)")
-        raise ValueError(f"--draft-precision bfloat16 applies to specdec_vsd drafters computed by the plugin's "
-                         f"C++ kernel, but {why}; use --draft-precision auto or float32")
-    return value
-
-
-def drafter_for_model(model, verifier_model, need_scores: bool, source: str, precision: str = "auto") -> Drafter:
+def drafter_for_model(model, verifier_model, need_scores: bool, source: str,
+                      kernels: DraftKernels = NO_KERNELS) -> Drafter:
     """The loop's drafter for a drafter checkpoint (``source``: where it came
     from, for messages): one drafter class per kind of
     :class:`~fairseq_specdec.models.protocol.DrafterModel`.
     ``need_scores``: the drafts' log-probs are needed (acceptance by drafter
-    score, or a confidence cut); ``precision``: ``--draft-precision``
-    (:func:`draft_precision`)."""
-    precision = draft_precision(precision, model)
+    score, or a confidence cut); ``kernels``: what it may compute with the
+    plugin's kernels (the backend's choice)."""
     if isinstance(model, VerifierStateDrafterModel):
-        return VerifierStateDrafter(model, verifier_model, model.cfg.shortlist, source, precision)
+        return VerifierStateDrafter(model, verifier_model, model.cfg.shortlist, source, kernels)
     if isinstance(model, SourceReadingDrafterModel):
         return NATBlockDrafter(model, verifier_model, with_scores=need_scores)
     kind = "a drafter of no kind the generator knows" if isinstance(model, DrafterModel) else "not a drafter"

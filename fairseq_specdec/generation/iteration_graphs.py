@@ -1,9 +1,9 @@
-"""Whole iterations of a batch of one sentence as CUDA graphs (``--cuda-graphs iteration``).
+"""Whole iterations of a batch of one sentence as CUDA graphs (``--specdec-backend auto`` on a float32 CUDA verifier).
 
 At batch 1 on a GPU, an iteration of the speculative loop launches its
 kernels one by one from Python: the drafter's pass, the verify pass, fairseq's
 masks, the running scores, acceptance.  With the verify pass alone in a graph
-(``--cuda-graphs on``) an iteration of ``specdec_vsd`` still cost 4.6 times a
+(the backend's choice for a half-precision verifier) an iteration of ``specdec_vsd`` still cost 4.6 times a
 graphed greedy iteration on an H100 (docs/results/2026-11-24-b4cfa15-gpu-kit-h100.md).
 Here everything an iteration computes on the device before its one host read
 is captured once per shape and replayed:
@@ -27,7 +27,7 @@ A shape is the key the loop gives (the draft width, whether fairseq's length
 masks apply, the verify pass's and the drafter's buckets); its graph is
 captured the first time it is met, after one eager run on a side stream, and
 replayed after that.  With ``graphs=False`` the same step runs eagerly on the
-same buffers (``--cuda-graphs static``: what the CPU tests run).
+same buffers (what the CPU tests run).
 """
 from typing import Callable, Hashable
 
@@ -82,7 +82,7 @@ class IterationGraphs:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, graphs: bool):
         if graphs and device.type != "cuda":
-            raise ValueError(f"--cuda-graphs iteration needs a CUDA device, not {device}")
+            raise ValueError(f"whole iterations as CUDA graphs need a CUDA device, not {device}")
         self.graphs = graphs
         self.inputs = StaticState(device, dtype)
         #: key -> the step's graph; its counts are read by the tests

@@ -7,7 +7,7 @@ encoder as a sentence's worth of verify passes spend in their layers.
 :class:`LeanEncoder` computes the same function: fairseq's own embedding
 code (:meth:`forward_embedding`, padded positions zeroed as fairseq does),
 then every layer in one call of the extension
-(:class:`~fairseq_specdec.utils.rowgemm.FusedEncoderLayer`), then the final
+(:class:`~fairseq_specdec.kernels.rowgemm.FusedEncoderLayer`), then the final
 layer norm, and returns fairseq's encoder output dictionary.  Its products
 round as the lean verify pass's do (the row-blocked kernel's summation
 order, not the BLAS's), so strict decoding is held to ``--beam 1`` by the
@@ -26,7 +26,7 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from ..utils import rowgemm
+from ..kernels import rowgemm
 from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears
 
 #: the encoder methods whose function the lean encoder reproduces: a

@@ -15,8 +15,9 @@ output element is the same dot product).  Strict decoding stays identical to
 ``--beam 1``; the exactness tests run on both implementations.
 
 Only the layer types of fairseq's Transformer are accepted
-(:func:`lean_unsupported_reason` names what is not); ``--verify-impl fairseq``
-keeps the generic path for everything else.
+(:func:`lean_unsupported_reason` names what is not); the backend
+(:mod:`~fairseq_specdec.generation.backend`) runs fairseq's own modules for
+everything else.
 """
 import math
 from typing import List, Optional
@@ -28,16 +29,16 @@ from torch import Tensor
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from ..utils import rowgemm
+from ..kernels import rowgemm
 from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears, transposed_linear
 from ..utils.encoder_out import encoder_states
 from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
 
-#: ``--verify-gemm`` choices: how the lean pass computes its matrix products
+#: how the lean pass computes its matrix products (the backend chooses)
 VERIFY_GEMMS = ("auto", "rowgemm", "torch")
 
-#: ``--encoder-impl`` choices: how the lean pass runs the verifier's encoder
+#: how the lean pass runs the verifier's encoder (the backend chooses)
 ENCODER_IMPLS = ("auto", "lean", "fairseq")
 
 
@@ -68,11 +69,11 @@ def lean_unsupported_reason(decoder) -> Optional[str]:
 
 
 def resolve_gemm(gemm: str, weight: Tensor) -> str:
-    """``--verify-gemm`` for a verifier whose weights are like ``weight``:
+    """The products for a verifier whose weights are like ``weight``:
     ``auto`` is ``rowgemm`` where the kernel runs (float32 weights on a CPU
     with AVX2/FMA, the extension built), else ``torch``."""
     if gemm not in VERIFY_GEMMS:
-        raise ValueError(f"--verify-gemm must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
+        raise ValueError(f"the lean pass's products must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
     if gemm == "torch":
         return "torch"
     if gemm == "rowgemm":
@@ -80,7 +81,7 @@ def resolve_gemm(gemm: str, weight: Tensor) -> str:
         if reason is None and not rowgemm.applies_to(weight):
             reason = f"the verifier's weights are {weight.dtype} on {weight.device} (it needs float32 on the CPU)"
         if reason is not None:
-            raise ValueError(f"--verify-gemm rowgemm cannot run: {reason}; use --verify-gemm torch or auto")
+            raise ValueError(f"the row-blocked products cannot run: {reason}")
         return "rowgemm"
     return "rowgemm" if rowgemm.applies_to(weight) else "torch"
 
@@ -127,7 +128,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added
 class _Layer:
     """One decoder layer's weights, gathered and laid out once for ``gemm``."""
 
-    def __init__(self, layer, gemm: str):
+    def __init__(self, layer, gemm: str, fuse: bool = True):
         sa, ca = layer.self_attn, layer.encoder_attn
         self.heads = sa.num_heads
         self.head_dim = sa.head_dim
@@ -155,7 +156,7 @@ class _Layer:
         # the whole layer in one call of the extension, where its products are
         # rowgemm's and its feed-forward is ReLU (see rowgemm.FusedDecoderLayer)
         self.fused = None
-        if gemm == "rowgemm" and fusable_layer(layer):
+        if fuse and gemm == "rowgemm" and fusable_layer(layer):
             self.fused = rowgemm.FusedDecoderLayer(layer, self.qkv, self.sa_out, self.ca_q, self.ca_out, self.fc1, self.fc2)
 
 
@@ -187,11 +188,12 @@ class LeanVerifier(VerifyPass):
 
     impl = "lean"
 
-    def __init__(self, model, temperature: float = 1.0, gemm: str = "auto", encoder: str = "auto"):
+    def __init__(self, model, temperature: float = 1.0, gemm: str = "auto", encoder: str = "auto",
+                 fused_layers: bool = True, embed_rows: bool = True):
         super().__init__(model, temperature)
         reason = lean_unsupported_reason(self.decoder)
         if reason is not None:
-            raise ValueError(f"--verify-impl lean cannot run this verifier: {reason}")
+            raise ValueError(f"the lean verify pass cannot run this verifier: {reason}")
         #: ``rowgemm`` or ``torch``: how the matrix products are computed
         self.gemm = resolve_gemm(gemm, next(self.decoder.parameters()))
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
@@ -206,27 +208,29 @@ class LeanVerifier(VerifyPass):
         #: run the fused C++ layers where they apply (tests switch it off to
         #: compare with the layers' operations)
         self.use_fused = True
+        #: each layer as one call of the extension where it applies
+        self.fused_layers = fused_layers
         dec = self.decoder
         #: the pass's input rows in one call of the extension (:meth:`_embed`):
         #: rowgemm products and a plain embedding (no quant-noise, input
         #: projection or embedding layer norm)
         self._embed_rows = (
-            self.gemm == "rowgemm" and rowgemm.embed_rows_available() and dec.quant_noise is None
+            embed_rows and self.gemm == "rowgemm" and rowgemm.embed_rows_available() and dec.quant_noise is None
             and dec.project_in_dim is None and dec.layernorm_embedding is None
             and (self.position_table is None or self.position_table.dtype == torch.float32)
         )
-        #: the encoder as fused C++ layers (``--encoder-impl``), else None: fairseq's modules
+        #: the encoder as fused C++ layers, else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
         if encoder not in ENCODER_IMPLS:
-            raise ValueError(f"--encoder-impl must be one of {', '.join(ENCODER_IMPLS)}, got {encoder!r}")
+            raise ValueError(f"the lean pass's encoder must be one of {', '.join(ENCODER_IMPLS)}, got {encoder!r}")
         if encoder != "fairseq":
             reason = lean_encoder_unsupported_reason(getattr(model, "encoder", None))
             if reason is None and self.gemm != "rowgemm":
-                reason = "the verify pass computes with torch's products (--verify-gemm torch)"
+                reason = "the verify pass computes with torch's products"
             if reason is None:
                 self.lean_encoder = LeanEncoder(model.encoder)
             elif encoder == "lean":
-                raise ValueError(f"--encoder-impl lean cannot run: {reason}; use --encoder-impl auto or fairseq")
+                raise ValueError(f"the fused encoder cannot run: {reason}")
 
     def _laid_out_weights(self) -> list:
         """The weights the lean pass lays out (an optimizer's update through
@@ -243,7 +247,7 @@ class LeanVerifier(VerifyPass):
         any changed since the last batch (a model trained in between)."""
         super().start()
         if self._weights.changed(self._laid_out_weights()):
-            self.layers = [_Layer(layer, self.gemm) for layer in self.decoder.layers]
+            self.layers = [_Layer(layer, self.gemm, self.fused_layers) for layer in self.decoder.layers]
             if self._projection is not None:
                 proj = self.decoder.output_projection
                 self.output = make_linear(proj.weight, proj.bias, self.gemm)
@@ -254,9 +258,9 @@ class LeanVerifier(VerifyPass):
     @property
     def fused(self) -> bool:
         """Whether every layer runs as one call of the C++ extension
-        (:class:`~fairseq_specdec.utils.rowgemm.FusedDecoderLayer`): rowgemm
+        (:class:`~fairseq_specdec.kernels.rowgemm.FusedDecoderLayer`): rowgemm
         products and layers :func:`fusable_layer` accepts."""
-        return self.gemm == "rowgemm" and all(fusable_layer(layer) for layer in self.decoder.layers)
+        return self.gemm == "rowgemm" and self.fused_layers and all(fusable_layer(layer) for layer in self.decoder.layers)
 
     def describe(self) -> str:
         parts = [f"{self.gemm} products"]
@@ -276,7 +280,7 @@ class LeanVerifier(VerifyPass):
     def _embed(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """The base pass's input rows (fairseq's token embedding times its
         scale, plus the position rows), in one call of the extension where
-        it applies (:func:`~fairseq_specdec.utils.rowgemm.embed_rows`: the
+        it applies (:func:`~fairseq_specdec.kernels.rowgemm.embed_rows`: the
         same two float32 roundings); at inference only (dropout)."""
         weight = self.decoder.embed_tokens.weight
         if self._embed_rows and self.use_fused and not self.decoder.training and weight.dtype == torch.float32 \
@@ -284,9 +288,9 @@ class LeanVerifier(VerifyPass):
             return rowgemm.embed_rows(tokens, lengths, weight, self.decoder.embed_scale, self.position_table)
         return super()._embed(tokens, lengths)
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def logits(self, x: Tensor) -> Tensor:
         if self.output is None:
-            return super()._logits(x)
+            return super().logits(x)
         return self.output(x)
 
     def _causal_mask(self, x: Tensor, m: int, start: int) -> Tensor:

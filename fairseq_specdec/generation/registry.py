@@ -30,12 +30,15 @@ class DrafterContext:
     ``verifier``: the verifier model; ``drafters``: drafter models given in
     ``--path`` after the verifier (already split off); ``acceptance``: the
     acceptance rule (``acceptance.uses_draft_scores`` says whether drafts
-    need log-probs)."""
+    need log-probs); ``backend``: what computes the iteration
+    (:class:`~fairseq_specdec.generation.backend.Backend`;
+    ``backend.drafting`` says what a drafter may compute natively)."""
 
     task: object
     verifier: object
     drafters: List[object]
     acceptance: object
+    backend: object = None
 
     @property
     def cfg(self):

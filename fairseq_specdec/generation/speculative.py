@@ -21,30 +21,30 @@ Every iteration, for all unfinished rows of the batch at once:
    (``DecodingState.keep``).
 
 Steps 2-3 after the pass (:meth:`SpeculativeGenerator._accept`) run as one
-call of the C++ extension where ``--accept-impl`` allows it (strict
-verification on a CPU), else as tensor operations; both give the same values.
+call of the native extension where the backend chose it (strict
+verification on a CPU: :mod:`~fairseq_specdec.generation.backend`), else as
+tensor operations; both give the same values.
 
 With :class:`~fairseq_specdec.generation.acceptance.StrictAcceptance` the
 output is the ``--beam 1`` output, whatever the drafter proposes.
 """
 import math
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..utils import rowgemm
+from ..kernels import rowgemm
 from ..utils.encoder_out import max_output_length
 from ..utils.projection import inference_scope
-from .acceptance import ACCEPT_IMPLS, fused_accept_reason
+from .backend import Backend
 from .drafters import Drafter
 from .iteration_graphs import IterationGraphs
-from .static_verifier import StaticVerifier
 from .stats import SpecDecStats
 from .state import DecodingState, Feedback
-from .verify_passes import build_verifier
 
 
 class DraftLengthPolicy:
@@ -128,6 +128,26 @@ class DraftLengthPolicy:
         return ", ".join(parts)
 
 
+@dataclass
+class DecodeSettings:
+    """fairseq's generation options the loop honours, as ``SequenceGenerator``
+    does, and the draft policy.  ``block_size``: k, tokens drafted per pass
+    (``--block-size``); ``max_len_a``/``max_len_b``/``min_len``/``lenpen``/
+    ``unkpen``/``temperature``/``normalize_scores`` (``not --unnormalized``):
+    fairseq's; ``draft_policy``: how many tokens each row drafts (default:
+    ``k`` for every row)."""
+
+    block_size: int
+    max_len_a: float = 0
+    max_len_b: int = 200
+    min_len: int = 1
+    normalize_scores: bool = True
+    len_penalty: float = 1.0
+    unk_penalty: float = 0.0
+    temperature: float = 1.0
+    draft_policy: Optional[DraftLengthPolicy] = None
+
+
 class SpeculativeGenerator:
     """Drop-in for fairseq's ``SequenceGenerator`` (``--beam 1`` contract).
 
@@ -145,60 +165,50 @@ class SpeculativeGenerator:
     #: None: host checks on every device but CUDA; True / False: always / never
     host_checks: Optional[bool] = None
 
-    def __init__(
-        self,
-        verifier_model,
-        drafter: Drafter,
-        acceptance,
-        tgt_dict,
-        block_size: int,
-        max_len_a: float = 0,
-        max_len_b: int = 200,
-        min_len: int = 1,
-        normalize_scores: bool = True,
-        len_penalty: float = 1.0,
-        unk_penalty: float = 0.0,
-        temperature: float = 1.0,
-        stats: Optional[SpecDecStats] = None,
-        progress=None,
-        draft_policy: Optional[DraftLengthPolicy] = None,
-        verify_impl: str = "auto",
-        verify_gemm: str = "auto",
-        cuda_graphs: str = "auto",
-        encoder_impl: str = "auto",
-        accept_impl: str = "auto",
-    ):
-        if temperature <= 0:
+    def __init__(self, backend: Backend, drafter: Drafter, acceptance, tgt_dict, settings: DecodeSettings,
+                 stats: Optional[SpecDecStats] = None, progress=None):
+        """``backend``: what computes an iteration
+        (:func:`~fairseq_specdec.generation.backend.resolve_backend`: its
+        verify pass holds the verifier model); ``settings``: fairseq's
+        options and the draft policy; ``stats``: where per-sentence
+        statistics go; ``progress``: the task's sentence counter (the
+        statistics line is logged when every sentence is decoded)."""
+        if settings.temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
-        self.policy = draft_policy or DraftLengthPolicy(block_size)
+        if settings.temperature != backend.verifier.temperature:
+            raise ValueError(f"the backend's verify pass applies temperature {backend.verifier.temperature}, "
+                             f"the settings say {settings.temperature}")
+        block_size = settings.block_size
+        self.policy = settings.draft_policy or DraftLengthPolicy(block_size)
         if self.policy.k != block_size:
             raise ValueError(f"the draft policy's k ({self.policy.k}) is not --block-size {block_size}")
-        self.verifier = build_verifier(verifier_model, temperature, verify_impl, verify_gemm, cuda_graphs, encoder_impl)
+        self.backend = backend
+        self.verifier = backend.verifier
         self.drafter = drafter
-        #: whole iterations of batches of one sentence on fixed buffers (--cuda-graphs static
-        #: runs them eagerly; iteration, and auto where it resolves to iteration, captures
-        #: them), where the drafter can work on such buffers
+        #: whole iterations of batches of one sentence on fixed buffers (eager
+        #: with ``static``, captured with ``iteration``), where the drafter can
+        #: work on such buffers
         self.iteration_graphs = None
-        choice = self.verifier.choice if isinstance(self.verifier, StaticVerifier) else None
-        if choice in ("static", "iteration") and drafter.static_inputs():
-            self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32, graphs=choice == "iteration")
+        if backend.iteration in ("static", "iteration") and drafter.static_inputs():
+            self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32,
+                                                    graphs=backend.iteration == "iteration")
         self.acceptance = acceptance
-        #: steps 2-3 after the verify pass as one call of the extension
-        #: (``--accept-impl``): where the verifier's log-probs are float32 on a
-        #: CPU and the loop reads the drafts on the host; else tensor operations
-        device = next(verifier_model.parameters()).device
-        self.fused_accept = self._fused_accept(accept_impl, acceptance, unk_penalty, device)
+        #: steps 2-3 after the verify pass as one call of the extension (the backend's choice)
+        self.fused_accept = backend.fused_accept
         #: iterations the fused call left to the tensor operations (a tie for a greedy pick)
         self.fused_ties = 0
         self.block_size = block_size
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.vocab_size = len(tgt_dict)
-        self.max_len_a, self.max_len_b = max_len_a, max_len_b
-        self.min_len = min_len
-        self.normalize_scores = normalize_scores
-        self.len_penalty = len_penalty
-        self.unk_penalty = unk_penalty
-        self.max_len = verifier_model.max_decoder_positions()
+        self.max_len_a, self.max_len_b = settings.max_len_a, settings.max_len_b
+        self.min_len = settings.min_len
+        self.normalize_scores = settings.normalize_scores
+        self.len_penalty = settings.len_penalty
+        self.unk_penalty = settings.unk_penalty
+        if self.fused_accept and self.unk_penalty != 0:
+            raise ValueError("the backend's native acceptance step applies no --unkpen; resolve the backend "
+                             "with the generator's --unkpen")
+        self.max_len = self.verifier.model.max_decoder_positions()
         self.stats = stats if stats is not None else SpecDecStats()
         # counts sentences decoded against those the run's iterators handed out
         # (the task's SentenceCounter); the statistics line is logged when they meet
@@ -207,20 +217,6 @@ class SpeculativeGenerator:
 
     def cuda(self):
         return self
-
-    @staticmethod
-    def _fused_accept(impl: str, acceptance, unk_penalty: float, device: torch.device) -> bool:
-        """Whether ``--accept-impl`` ``impl`` runs steps 2-3 in the extension."""
-        if impl not in ACCEPT_IMPLS:
-            raise ValueError(f"--accept-impl must be one of {', '.join(ACCEPT_IMPLS)}, got {impl!r}")
-        if impl == "torch":
-            return False
-        reason = fused_accept_reason(acceptance, unk_penalty)
-        if reason is None and device.type != "cpu":
-            reason = f"it runs on a CPU, and the verifier is on {device}"
-        if impl == "fused" and reason is not None:
-            raise ValueError(f"--accept-impl fused cannot run: {reason}; use --accept-impl auto or torch")
-        return reason is None
 
     def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int, always: bool = False) -> None:
         """fairseq SequenceGenerator's per-step rules, in place.  Slot j of row r
@@ -383,7 +379,7 @@ class SpeculativeGenerator:
     def _fused_tail(self, lprobs: Tensor, draft_tokens: Tensor, state, drafted: List[int], max_len: int) -> Optional[tuple]:
         """Steps 2-3 after the verify pass (fairseq's rules, greedy picks,
         strict acceptance, the tokens to append) as one call of the extension
-        (:func:`~fairseq_specdec.utils.rowgemm.strict_step`):
+        (:func:`~fairseq_specdec.kernels.rowgemm.strict_step`):
         ``(new_tokens, new_lprobs, n_new, cum, counts)``, the values the
         tensor operations compute.  ``drafted``: each row's count of drafted
         tokens (the loop's host checks), empty where k = 0.  None where it

@@ -5,8 +5,9 @@ arithmetic: a few hundred small kernels, each launched from Python.  A CUDA
 graph launches them all at once, but only if every tensor the pass touches
 keeps its shape and its address from one pass to the next.
 :class:`StaticVerifier` is :class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`'s
-pass laid out that way (``--cuda-graphs static`` runs it eagerly, on any
-device; ``--cuda-graphs on`` captures it once per shape and replays it):
+pass laid out that way (eagerly on any device with ``graphs=False``, which
+the CPU tests run; captured once per shape and replayed with ``graphs=True``,
+what ``--specdec-backend auto`` runs on a CUDA device):
 
 * **the self-attention cache** has a fixed capacity (the batch's output
   width rounded up to :data:`CAPACITY_STEP`), one per batch bucket; every
@@ -54,8 +55,9 @@ from .lean_verifier import LeanVerifier
 CAPACITY_STEP = 64
 #: the encoder memory's length is a multiple of this
 SOURCE_STEP = 16
-#: ``--cuda-graphs`` choices
-CUDA_GRAPHS = ("auto", "on", "off", "static", "iteration")
+#: what a static pass stands for: ``on`` (its own graphs), ``static`` (whole
+#: iterations on fixed buffers, eagerly), ``iteration`` (whole iterations as graphs)
+STATIC_CHOICES = ("on", "static", "iteration")
 
 
 def bucket_rows(n: int) -> int:
@@ -73,24 +75,25 @@ class StaticVerifier(LeanVerifier):
 
     ``max_rows`` (None: no limit): a batch of more sentences than this runs
     the lean pass as it is (dynamic shapes, no graphs) from its start to its
-    end; ``--cuda-graphs auto`` sets 1 for a half-precision verifier
-    (:func:`~fairseq_specdec.generation.verify_passes.resolve_cuda_graphs`).
-    ``option``: the ``--cuda-graphs`` value messages name; ``choice`` (default:
-    ``option``): the choice it stands for, ``on``, ``static`` or
-    ``iteration`` (the loop captures or runs whole iterations where it is
-    ``iteration`` or ``static``)."""
+    end; the backend sets 1 for a half-precision verifier
+    (:func:`~fairseq_specdec.generation.backend.resolve_backend`).
+    ``choice``: what it stands for, one of :data:`STATIC_CHOICES` (the loop
+    captures or runs whole iterations where it is ``iteration`` or
+    ``static``)."""
 
     def __init__(self, model, temperature: float = 1.0, graphs: bool = False, max_rows: Optional[int] = None,
-                 option: str = "on", choice: Optional[str] = None):
+                 choice: str = "on"):
         super().__init__(model, temperature, gemm="torch")
         device = next(model.parameters()).device
         if graphs and device.type != "cuda":
             raise ValueError(
-                f"--cuda-graphs {option} needs the verifier on a CUDA device (it is on {device}); "
-                "--cuda-graphs static runs the same static-shape pass without graphs anywhere"
+                f"CUDA graphs need the verifier on a CUDA device (it is on {device}); "
+                "graphs=False runs the same static-shape pass without graphs anywhere"
             )
         self.graphs = graphs
-        self.choice = choice or option
+        if choice not in STATIC_CHOICES:
+            raise ValueError(f"a static pass stands for one of {', '.join(STATIC_CHOICES)}, got {choice!r}")
+        self.choice = choice
         self.max_rows = max_rows
         #: this batch runs the lean pass as it is (more rows than max_rows)
         self.dynamic = False

@@ -1,4 +1,4 @@
-"""The verify pass through fairseq's own layer modules (``--verify-impl fairseq``).
+"""The verify pass through fairseq's own layer modules (``--specdec-backend reference``).
 
 fairseq's ``TransformerDecoder`` only decodes one new token per call when an
 incremental state is given.  :class:`CachedVerifier` runs the same modules

@@ -4,9 +4,10 @@ before and after the decoder layers.
 A verify pass runs the verifier's decoder over ``m`` new tokens per row
 against its own KV cache.  Two implementations are siblings under
 :class:`VerifyPass`: :class:`~fairseq_specdec.generation.verifier.CachedVerifier`
-runs fairseq's own layer modules (``--verify-impl fairseq``), and
+runs fairseq's own layer modules (the reference backend), and
 :class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier` the same
-layers as plain tensor operations over a preallocated cache (``lean``).
+layers as plain tensor operations over a preallocated cache (the fast
+path; :mod:`~fairseq_specdec.generation.backend` chooses).
 Both take their inputs from :meth:`VerifyPass._embed` and end in
 :meth:`VerifyPass._finish`, so embeddings, positions, the final norm, the
 output projection, the temperature and the log-softmax are one code.
@@ -44,7 +45,7 @@ class VerifyPass:
     ``last_features`` (B x m x C) holds the final decoder states of the last
     pass (what drafters that read the verifier's states use)."""
 
-    #: what ``--verify-impl`` calls this implementation
+    #: this implementation's name in the log
     impl = "?"
 
     def __init__(self, model, temperature: float = 1.0):
@@ -76,6 +77,15 @@ class VerifyPass:
     def describe(self) -> str:
         """The verify pass in a few words, for the log."""
         return self.impl
+
+    def timed_parts(self, k: int):
+        """``(object, method name, label[, required])`` of the calls the
+        profiler times for this verify pass (see ``Drafter.timed_parts``)."""
+        yield self, "encode", "verifier encoder"
+        yield self, "forward", f"verifier pass (up to {k + 1} tokens)"
+        yield self, "logits", f"of which: verifier vocabulary projection (up to {k + 1} rows)"
+        yield self, "rollback", "KV-cache rollback", False
+        yield self, "reorder", "row removal", False
 
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
         return self.model.encoder.forward_torchscript(net_input)
@@ -122,7 +132,7 @@ class VerifyPass:
         lprobs[needed] = self._log_probs(x[needed]).float()
         return lprobs
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def logits(self, x: Tensor) -> Tensor:
         """The verifier's output layer."""
         dec = self.decoder
         if self._projection is not None:
@@ -132,7 +142,7 @@ class VerifyPass:
 
     def _log_probs(self, x: Tensor) -> Tensor:
         """The verifier's output layer, temperature and log-softmax."""
-        logits = self._logits(x)
+        logits = self.logits(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
         return self.model.get_normalized_probs((logits, None), log_probs=True)

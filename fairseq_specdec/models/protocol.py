@@ -3,7 +3,11 @@
 The task, the criteria, the generation layer and the benchmark never probe a
 model's attributes; they test ``isinstance`` against one of these classes and
 use what it declares.  A model states a capability by subclassing the class
-(as the plugin's models do) and providing its members.
+(as the plugin's models do) and providing its members: every method declared
+here (each raises ``NotImplementedError`` until a model gives it) and every
+attribute annotated here (set by the model's constructor).
+:func:`declared_members` lists them; a test checks each of the plugin's
+models against it.
 
 * :class:`DrafterModel`: a model that drafts blocks of tokens for a verifier;
   the ``draft_verify`` task trains it on block inputs (``glat_block``), and a
@@ -22,60 +26,140 @@ use what it declares.  A model states a capability by subclassing the class
 This module imports nothing of the package: models subclass it, the layers
 above read it.
 """
-from typing import ClassVar
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
+
+from torch import Tensor
+
+
+def declared_members(protocol: type) -> Tuple[List[str], List[str]]:
+    """``(attributes, methods)`` a model of ``protocol`` must provide: the
+    annotated attributes (``ClassVar`` ones excepted) and the methods
+    declared by ``protocol`` and the protocol classes it extends."""
+    attributes, methods = [], []
+    for cls in reversed(protocol.__mro__):
+        if cls is object or cls.__module__ != __name__:
+            continue
+        for name, hint in vars(cls).get("__annotations__", {}).items():
+            if "ClassVar" not in str(hint) and name not in attributes:
+                attributes.append(name)
+        for name, value in vars(cls).items():
+            if callable(value) and not name.startswith("__") and name not in methods:
+                methods.append(name)
+            elif isinstance(value, (staticmethod, property)) and name not in methods:
+                methods.append(name)
+    return attributes, methods
 
 
 class DrafterModel:
-    """A block drafter model.
-
-    Members: ``train_block_size`` (0-d long buffer, saved: the block size it
-    was trained with; the task fills it in when it builds the model),
-    ``dictionary_fingerprint`` (0-d long buffer, saved: its target
-    dictionary's, :func:`~fairseq_specdec.utils.dictionary.dictionary_fingerprint`),
-    and ``mask_idx`` (the mask symbol's index, one past the dictionary)."""
+    """A block drafter model."""
 
     #: the model's name in messages
     drafter_name: ClassVar[str] = "drafter"
+    #: 0-d long buffer, saved: the block size it was trained with (the task
+    #: fills it in when it builds the model)
+    train_block_size: Tensor
+    #: 0-d long buffer, saved: its target dictionary's
+    #: :func:`~fairseq_specdec.utils.dictionary.dictionary_fingerprint`
+    dictionary_fingerprint: Tensor
+    #: the mask symbol's index, one past the dictionary
+    mask_idx: int
 
 
 class SourceReadingDrafterModel(DrafterModel):
     """A drafter with its own encoder (``specdec_nat``).
-
-    Members: ``encoder`` (fairseq encoder; ``forward_torchscript``,
-    ``reorder_encoder_out``), ``decoder.max_positions()``,
-    ``max_source_length()``, and ``draft(encoder_out, prefix_tokens,
-    prefix_lengths, k, with_scores, active) -> (tokens, log_probs or None)``.
     ``--init-from-verifier`` copies a verifier checkpoint's encoder and
-    embeddings into it (:mod:`fairseq_specdec.models.init_from_verifier`);
-    ``freeze_encoder()`` trains its decoder only."""
+    embeddings into it (:mod:`fairseq_specdec.models.init_from_verifier`)."""
 
     drafter_name = "specdec_nat"
+    #: fairseq encoder (``forward_torchscript``, ``reorder_encoder_out``)
+    encoder: Any
+    #: its block decoder (``max_positions()``)
+    decoder: Any
+
+    def max_source_length(self) -> int:
+        """The longest source (tokens) its encoder reads."""
+        raise NotImplementedError
+
+    def freeze_encoder(self) -> None:
+        """Train its decoder only."""
+        raise NotImplementedError
+
+    def draft(self, encoder_out, prefix_tokens: Tensor, prefix_lengths: Tensor, k: int, with_scores: bool,
+              active: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """B x k drafts after each row's prefix and their log-probs (or None)."""
+        raise NotImplementedError
 
 
 class VerifierStateDrafterModel(DrafterModel):
-    """A drafter that reads its verifier's states (``specdec_vsd``).
-
-    Members: ``init_from_verifier(verifier)`` (copies what it shares with
-    the verifier), ``check_verifier(verifier, source)`` (refuses another
-    verifier, naming ``source``), ``verifier_states(verifier, src_tokens,
-    src_lengths, prev_output_tokens) -> (encoder_out, features)`` (the
-    teacher-forced states it trains on), ``source_memory``, ``position_table``
-    (its table of slot rows for more positions), ``positions`` (the position
-    embedding: its ``num_embeddings`` bounds that table),
-    ``select_memory``, ``block_states`` (its last argument, ``precision``:
-    the element type of the packed weights where the C++ kernel computes the
-    pass), ``start_state``, ``output_weight``,
-    ``num_types``, ``padding_idx``, ``dictionary``, ``offsets`` and
-    ``cfg.shortlist`` / ``cfg.cuts_per_sentence``."""
+    """A drafter that reads its verifier's states (``specdec_vsd``); the
+    generation layer's drafter computes its pass natively where the backend
+    allows (``fairseq_specdec.generation.vsd_native``)."""
 
     drafter_name = "specdec_vsd"
+    #: its dataclass config (``shortlist``, ``cuts_per_sentence``)
+    cfg: Any
+    dictionary: Any
+    num_types: int
+    padding_idx: int
+    #: the learned start state (C), the context of a batch's first pass
+    start_state: Tensor
+    #: its frozen copy of the verifier's output projection (V x C)
+    output_weight: Tensor
+    #: the position embedding (its ``num_embeddings`` bounds the slot-row table)
+    positions: Any
+    #: the slot-offset embedding (its ``num_embeddings``: the largest block)
+    offsets: Any
+
+    def init_from_verifier(self, verifier) -> None:
+        """Copy what it shares with the verifier."""
+        raise NotImplementedError
+
+    def check_verifier(self, verifier, source: str) -> None:
+        """Refuse another verifier, naming ``source``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def verifier_states(verifier, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor):
+        """``(encoder_out, features)``: the teacher-forced states it trains on."""
+        raise NotImplementedError
+
+    def source_memory(self, encoder_out, positions: int = 0) -> Dict[str, object]:
+        """Per-sentence tensors every drafting pass reads."""
+        raise NotImplementedError
+
+    def position_table(self, memory, positions: int) -> Tensor:
+        """The slot-row table for ``positions`` target positions."""
+        raise NotImplementedError
+
+    @staticmethod
+    def select_memory(memory, index: Tensor) -> Dict[str, object]:
+        """:meth:`source_memory` of the rows ``index``."""
+        raise NotImplementedError
+
+    def block_states(self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor,
+                     slot_tokens: Optional[Tensor], k: int) -> Tensor:
+        """N x k x C states of the block slots."""
+        raise NotImplementedError
 
 
 class BlockwiseHeadsModel:
     """A verifier with blockwise heads (``blockwise_transformer``; Stern et
-    al. 2018).
+    al. 2018).  ``--init-from-verifier`` copies a whole verifier into its
+    base model."""
 
-    Members: ``blockwise_k`` (tokens per position, the base prediction
-    included), ``heads`` (``fc1``, ``b1``, ``fc2``, ``b2``), ``head_logits``,
-    ``blockwise_shortlist`` and ``decoder.output_projection``.
-    ``--init-from-verifier`` copies a whole verifier into its base model."""
+    #: the heads (``fc1``, ``b1``, ``fc2``, ``b2``)
+    heads: Any
+    #: the heads' shortlist size at decoding (0: every type)
+    blockwise_shortlist: int
+    #: the decoder (its ``output_projection`` and ``dictionary``)
+    decoder: Any
+
+    @property
+    def blockwise_k(self) -> int:
+        """Tokens per position, the base prediction included."""
+        raise NotImplementedError
+
+    def head_logits(self, features: Tensor, frozen_projection: bool = False) -> Tensor:
+        """The heads' logits from the decoder's features."""
+        raise NotImplementedError
+

@@ -42,8 +42,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
 from fairseq.modules import LayerNorm
 
-from ..utils import rowgemm
-from ..utils.projection import DerivedWeight, cached_linear, packed_linear
+from ..utils.projection import DerivedWeight, cached_linear
 from .protocol import VerifierStateDrafterModel
 from ..utils.dictionary import dictionary_fingerprint, mask_index
 from ..utils.encoder_out import source_padding
@@ -76,12 +75,6 @@ class SpecDecVSDConfig(FairseqDataclass):
     )
 
 
-def _cpu_inference(module: nn.Module, x: Tensor, weight: Tensor) -> bool:
-    """Inference (no training, no gradients) on float32 inputs, with weights
-    the row-blocked kernel computes with: where the extension's calls apply."""
-    return not module.training and not torch.is_grad_enabled() and x.dtype == torch.float32 and rowgemm.applies_to(weight)
-
-
 class BlockLayer(nn.Module):
     """Pre-norm Transformer layer over ``[context; block]`` rows: bidirectional
     self-attention, cross-attention to the (verifier's) encoder output, FFN."""
@@ -111,48 +104,8 @@ class BlockLayer(nn.Module):
         k, v = cached_linear(self.cross_kv, enc).chunk(2, dim=-1)
         return self._heads(k).contiguous(), self._heads(v).contiguous()
 
-    def _fused_args(self, precision: str = "float32") -> Optional[tuple]:
-        """``(weights, norms, eps)``: this layer's arguments to one call of
-        the C++ extension (:func:`fairseq_specdec.utils.rowgemm.fused_layer`;
-        the products packed in ``precision``), derived at the first pass of an
-        inference scope and rebuilt when a weight changes; None where the
-        extension does not compute the layer (weights not float32 on a CPU the
-        kernel runs on, norms other than affine ``nn.LayerNorm`` with one
-        epsilon).  The call rounds a little differently from the operations
-        of :meth:`forward` (bfloat16 panels more): drafts may change, never a
-        strict output."""
-        name = f"_specdec_fused_args_{precision}"
-        cache = self.__dict__.get(name)
-        if cache is None:
-            cache = self.__dict__[name] = DerivedWeight(lambda *weights: self._build_fused_args(precision))
-        return cache.get_with(self.parameters)
-
-    def _build_fused_args(self, precision: str) -> Optional[tuple]:
-        norms = (self.ln_self, self.ln_cross, self.ln_ffn)
-        if not rowgemm.fused_layer_available() or not rowgemm.fusable_norms(norms):
-            return None
-        modules = (self.self_qkv, self.self_out, self.cross_q, self.cross_out, self.fc1, self.fc2)
-        linears = [packed_linear(m, precision) for m in modules]
-        if any(p is None for p in linears):
-            return None
-        return rowgemm.packed_pairs(linears), [(n.weight.detach(), n.bias.detach()) for n in norms], float(self.ln_self.eps)
-
-    def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor],
-                precision: str = "float32") -> Tensor:
-        """``precision``: of the packed weights where the C++ extension
-        computes the layer (:meth:`_fused_args`); the operations below are
-        float32 whatever it says."""
+    def forward(self, x: Tensor, memory: Tuple[Tensor, Tensor], memory_mask: Optional[Tensor]) -> Tensor:
         n, length, c = x.shape
-        fused = None
-        if not self.training and not torch.is_grad_enabled() and x.dtype == torch.float32:
-            fused = self._fused_args(precision)
-        if fused is not None:
-            weights, norms, eps = fused
-            d = c // self.heads
-            cross = tuple(t.reshape(n * self.heads, -1, d) for t in memory)
-            pad = ~memory_mask.reshape(n, -1) if memory_mask is not None else None
-            scale = 1.0 / math.sqrt(d)  # scaled_dot_product_attention's default
-            return rowgemm.fused_layer(x, weights, norms, eps, self.heads, scale, self.heads, scale, True, cross, pad)
         p = self.dropout if self.training else 0.0
         q, k, v = cached_linear(self.self_qkv, self.ln_self(x)).chunk(3, dim=-1)
         a = F.scaled_dot_product_attention(self._heads(q), self._heads(k), self._heads(v), dropout_p=p)
@@ -323,7 +276,6 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
 
     def block_states(
         self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor], k: int,
-        precision: str = "float32",
     ) -> Tensor:
         """N x k x C states of the block slots.
 
@@ -331,31 +283,22 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         the verifier state that predicted the newest accepted token (or the
         start state); ``ctx_tokens`` (N): that token; ``cuts`` (N): accepted
         tokens so far; ``slot_tokens`` (N x k): the mask index, or a revealed
-        gold token (glancing); None: every slot is masked (decoding).
-        ``precision`` (one of :data:`~fairseq_specdec.utils.rowgemm.PRECISIONS`):
-        of the packed weights where the C++ extension computes (decoding in
-        float32 on a CPU); torch's operations ignore it."""
+        gold token (glancing); None: every slot is masked (decoding).  The
+        generation layer's native pass computes the same function with the
+        plugin's kernels on a CPU (``fairseq_specdec.generation.vsd_native``)."""
         base = memory.get("copy_base") if slot_tokens is None else None
-        if base is not None and self._fused_input(ctx_states):
-            # decoding on the CPU: the context and slot rows in one call of the
-            # extension (the same sums as _input_rows, the fuse product rowgemm's)
-            x = rowgemm.block_input(ctx_states, ctx_tokens, self.embed_weight, float(self.embed_scale),
-                                    packed_linear(self.fuse, precision), base, cuts, self.offsets.weight, k)
-        else:
-            x = F.dropout(self._input_rows(memory, ctx_states, ctx_tokens, cuts, slot_tokens, k, base, precision),
-                          self.cfg.dropout, self.training)
+        x = F.dropout(self._input_rows(memory, ctx_states, ctx_tokens, cuts, slot_tokens, k, base),
+                      self.cfg.dropout, self.training)
         for layer, layer_memory in zip(self.layers, memory["layers"]):
-            x = layer(x, layer_memory, memory["mask"], precision)
+            x = layer(x, layer_memory, memory["mask"])
         return self.final_ln(x[:, 1:])
 
     def _input_rows(self, memory, ctx_states: Tensor, ctx_tokens: Tensor, cuts: Tensor, slot_tokens: Optional[Tensor],
-                    k: int, base: Optional[Tensor], precision: str = "float32") -> Tensor:
+                    k: int, base: Optional[Tensor]) -> Tensor:
         """N x (1 + k) x C: the context row, then the k slot rows (the slots'
-        rows gathered from ``base`` where given: decoding).  The fuse
-        product reads the weight packed in ``precision`` where the kernel
-        computes it, as :meth:`block_states`' one-call path does."""
+        rows gathered from ``base`` where given: decoding)."""
         fuse_in = torch.cat([ctx_states, self.embed_scale * F.embedding(ctx_tokens, self.embed_weight)], -1)
-        ctx = cached_linear(self.fuse, fuse_in, precision)
+        ctx = cached_linear(self.fuse, fuse_in)
         index = cuts.unsqueeze(1) + torch.arange(k, device=cuts.device)  # N x k target positions
         if base is not None:  # decoding: position row + soft copy, gathered
             index = index.clamp_(max=base.size(1) - 1).unsqueeze(-1).expand(-1, -1, base.size(-1))
@@ -369,12 +312,6 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
                 copied = torch.where(is_mask.unsqueeze(-1), copied, revealed)
             slots = copied + pos + self.offsets.weight[:k].unsqueeze(0)
         return torch.cat([ctx.unsqueeze(1), slots + ctx.unsqueeze(1)], dim=1)
-
-    def _fused_input(self, ctx_states: Tensor) -> bool:
-        """Whether a decoding pass builds its input rows in one call of the
-        extension (:func:`fairseq_specdec.utils.rowgemm.block_input`):
-        inference in float32 on a CPU where the kernel runs."""
-        return _cpu_inference(self, ctx_states, self.fuse.weight) and rowgemm.block_input_available()
 
     # ------------------------------------------------------------ training
     def forward(self, src_tokens, src_lengths, prev_output_tokens, block_mask=None, glance=None, state_blocks=None, **kwargs):

@@ -18,13 +18,12 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from ..generation.acceptance import ACCEPT_IMPLS, VERIFY_SCORES
+from ..generation.acceptance import VERIFY_SCORES
+from ..generation.backend import BACKENDS
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
-from ..generation.drafters import DRAFT_PRECISIONS
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
 from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
-from ..generation.verify_passes import CUDA_GRAPHS, ENCODER_IMPLS, VERIFY_GEMMS, VERIFY_IMPLS
 from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel, VerifierStateDrafterModel
 from ..models.specdec_vsd import make_state_block_inputs
@@ -33,12 +32,7 @@ from .block_inputs import make_block_inputs, sentence_draws
 logger = logging.getLogger(__name__)
 
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
-VERIFY_IMPL_CHOICES = ChoiceEnum(list(VERIFY_IMPLS))
-VERIFY_GEMM_CHOICES = ChoiceEnum(list(VERIFY_GEMMS))
-ENCODER_IMPL_CHOICES = ChoiceEnum(list(ENCODER_IMPLS))
-CUDA_GRAPHS_CHOICES = ChoiceEnum(list(CUDA_GRAPHS))
-ACCEPT_IMPL_CHOICES = ChoiceEnum(list(ACCEPT_IMPLS))
-DRAFT_PRECISION_CHOICES = ChoiceEnum(list(DRAFT_PRECISIONS))
+SPECDEC_BACKEND_CHOICES = ChoiceEnum(list(BACKENDS))
 
 #: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
 #: and costs little with good ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
@@ -140,77 +134,19 @@ class DraftVerifyConfig(TranslationConfig):
             "elsewhere; the output does not change"
         },
     )
-    verify_impl: VERIFY_IMPL_CHOICES = field(
+    specdec_backend: SPECDEC_BACKEND_CHOICES = field(
         default="auto",
         metadata={
-            "help": "speculative decodings: how the verifier's pass is computed. 'lean': its "
-            "decoder layers as plain tensor operations over a preallocated KV cache (same "
-            "weights, same function; fairseq Transformer layers only); 'fairseq': fairseq's own "
-            "layer modules over their incremental state (any TransformerDecoder); 'auto' "
-            "(default): lean where the verifier's layers allow it"
-        },
-    )
-    verify_gemm: VERIFY_GEMM_CHOICES = field(
-        default="auto",
-        metadata={
-            "help": "speculative decodings with the lean verify pass: how it computes. 'rowgemm': "
-            "the plugin's C++ extension (float32 CPU weights, AVX2): matrix products that read each "
-            "weight once for all the rows of a pass (a pass of 4 tokens costs little more than one of "
-            "1), in an order that does not depend on the rows, each ReLU decoder layer (attention "
-            "over the KV cache, residuals, layer norms) as one call, and each ReLU layer of a fairseq "
-            "Transformer encoder as one call; drafters use it too. 'torch': "
-            "torch's operations and BLAS products; 'auto' (default): rowgemm where it runs, else torch. "
-            "The two round differently: see docs/verify-kernels.md for what that changed in measured output"
-        },
-    )
-    encoder_impl: ENCODER_IMPL_CHOICES = field(
-        default="auto",
-        metadata={
-            "help": "speculative decodings with the lean verify pass: how the verifier's encoder runs. "
-            "'lean': each layer of a fairseq Transformer encoder with ReLU feed-forward as one call of the "
-            "plugin's C++ extension (needs rowgemm products: float32 CPU weights, AVX2); 'fairseq': "
-            "fairseq's encoder modules; 'auto' (default): lean where it runs, else fairseq. The two "
-            "round differently, as --verify-gemm's products do"
-        },
-    )
-    accept_impl: ACCEPT_IMPL_CHOICES = field(
-        default="auto",
-        metadata={
-            "help": "speculative decodings: how each iteration goes from the verify pass's log-probs to "
-            "the tokens it appends (fairseq's --beam 1 rules, the greedy picks, the acceptance, the "
-            "running scores). 'fused': one call of the plugin's C++ extension (strict verification, "
-            "a CPU verifier, no --unkpen; an iteration whose greedy pick ties goes to torch); 'torch': "
-            "tensor operations; 'auto' (default): fused where it runs, else torch. Both give the same "
-            "tokens and scores"
-        },
-    )
-    draft_precision: DRAFT_PRECISION_CHOICES = field(
-        default="auto",
-        metadata={
-            "help": "speculative decodings with a specdec_vsd drafter on a CPU: the element type of the "
-            "drafter's weights in the plugin's C++ kernel. 'bfloat16': each weight rounded once to "
-            "bfloat16, half the bytes streamed from memory per drafting pass (inputs, sums and outputs "
-            "stay float32); 'float32': as trained; 'auto' (default): bfloat16 where the kernel runs, "
-            "else float32. Only the drafts can change (a strict output cannot; a relaxed one can, as "
-            "with any other drafts); see docs/verify-kernels.md for what it measured"
-        },
-    )
-    cuda_graphs: CUDA_GRAPHS_CHOICES = field(
-        default="auto",
-        metadata={
-            "help": "speculative decodings with the lean verify pass: 'on' runs the verify pass with "
-            "static shapes (a fixed-capacity KV cache, the source padded to a multiple of 16 tokens, "
-            "the batch to a power of two, positions and masks made on the device) and replays it as a "
-            "CUDA graph captured once per shape: one launch instead of hundreds at batch 1 (a CUDA "
-            "verifier only); 'iteration': as 'on', and for batches of one sentence the whole iteration "
-            "(the drafter's pass where the drafter works on fixed buffers: specdec_vsd and loop-greedy; the "
-            "verify pass; fairseq's rules; acceptance) captured as one graph; 'static': "
-            "the same static shapes, whole iterations included, run without graphs on any device; "
-            "'off': the lean pass as it is; 'auto' (default): 'iteration' for a float32 CUDA verifier "
-            "(measured faster than the lean pass as it is at batch 1, 8 and 64: docs/gpu.md), the verify "
-            "pass's graphs for batches of one sentence for a half-precision CUDA verifier, the lean pass "
-            "as it is on a CPU. Static shapes use torch's products and attend over masked positions too, "
-            "which can round differently in a near-tie"
+            "help": "speculative decodings: what computes the verify pass, the acceptance step and the "
+            "drafters' passes. 'auto' (default): the fastest exact path for the device, chosen once per "
+            "generator and logged with its reason: on a CPU with AVX2 the plugin's native C++ kernels "
+            "(row-blocked products that cost about the same for 1 to 8 tokens, fused decoder and encoder "
+            "layers, the strict acceptance step in one call); on a CUDA device the verify pass with static "
+            "shapes replayed as CUDA graphs (whole iterations at batch 1 for a float32 verifier); elsewhere "
+            "the lean pass with torch's products. 'reference': fairseq's own layer modules and torch's "
+            "products throughout (fairseq's arithmetic: to compare, or to rule the kernels out). Strict "
+            "output is the same greedy output on both; the kernels round differently from torch's BLAS, "
+            "so a near-tie can differ from --beam 1 (docs/exactness.md)"
         },
     )
     ngram_split: str = field(
@@ -350,12 +286,7 @@ class DraftVerifyTask(TranslationTask):
         ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
         ("draft_max_rows", None),
         ("block_size", None),
-        ("verify_impl", "auto"),
-        ("verify_gemm", "auto"),
-        ("encoder_impl", "auto"),
-        ("accept_impl", "auto"),
-        ("draft_precision", "auto"),
-        ("cuda_graphs", "auto"),
+        ("specdec_backend", "auto"),
         ("specdec_stats", None),
         ("ngram_split", "train"),
         ("ngram_order", 4),

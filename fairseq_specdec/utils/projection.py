@@ -3,7 +3,7 @@
 On a CPU, ``F.linear(x, W)`` with a few rows ``x`` costs far more than the
 same product through a layout of ``W`` made once: a contiguous transpose for
 torch's ``addmm``, or the row-blocked kernel's packed panels
-(:mod:`fairseq_specdec.utils.rowgemm`).  A speculative iteration runs its
+(:mod:`fairseq_specdec.kernels.rowgemm`).  A speculative iteration runs its
 linears over a few rows, so the drafters and the verify pass compute through
 such layouts (the measurements are in docs/verify-kernels.md and
 docs/results/).  Only the exactness tests are relied on for their values.
@@ -17,14 +17,13 @@ checked against its weight's storage, version, dtype and 16 sampled values
 inside a scope the weights are taken to be constant.
 """
 from contextlib import contextmanager
-from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import rowgemm
+from ..kernels import parts_off, rowgemm
 
 # [depth, epoch]: inside a scope when depth > 0; every entry starts a new epoch
 _SCOPE = [0, 0]
@@ -62,7 +61,7 @@ class WeightsWatch:
 
     Where every weight is a contiguous CPU tensor, one call of the C++
     extension computes and compares the whole list's signature
-    (:func:`~fairseq_specdec.utils.rowgemm.weights_signature`; the same
+    (:func:`~fairseq_specdec.kernels.rowgemm.weights_signature`; the same
     items, the samples as raw bytes), and the watch keeps a view of each
     weight it last saw, so that an equal address is the same storage.
     Otherwise (a weight on a GPU or not contiguous, the extension not built)
@@ -81,8 +80,9 @@ class WeightsWatch:
         #: the last look compared with tensor operations)
         self._signature: Optional[Tensor] = None
         self._kept = None  # views of the weights of that look: their storages stay alive
-        #: compute signatures with the extension where it can (tests switch it off)
-        self.use_extension = use_extension and rowgemm.SIGNATURES
+        #: compute signatures with the extension where it can (tests switch it
+        #: off; so does FAIRSEQ_SPECDEC_OFF=watch, for benchmarking)
+        self.use_extension = use_extension and rowgemm.SIGNATURES and "watch" not in parts_off()
         #: how many times the weights were seen changed (0: never looked)
         self.generation = 0
 
@@ -186,37 +186,16 @@ class TransposedProjection:
         return out + bias if bias is not None else out
 
 
-def cached_linear(module: torch.nn.Linear, x: Tensor, precision: str = "float32") -> Tensor:
+def cached_linear(module: torch.nn.Linear, x: Tensor) -> Tensor:
     """``module(x)``, at inference (no gradients, eval mode) through a cached
-    layout of its weight, kept in the module's ``__dict__`` (never saved) and
-    rebuilt when the weight changes: packed for the row-blocked kernel
-    (:mod:`fairseq_specdec.utils.rowgemm`) in ``precision`` where it runs,
-    else a contiguous transpose (:class:`TransposedWeight`, float32).  For
-    drafters, whose rounding changes drafts, never the strict output."""
+    contiguous transpose of its weight (:class:`TransposedWeight`), kept in the
+    module's ``__dict__`` (never saved) and rebuilt when the weight changes."""
     if torch.is_grad_enabled() or module.training:
         return module(x)
-    if x.dtype == torch.float32:
-        packed = packed_linear(module, precision)
-        if packed is not None:
-            return packed(x)
     cache = module.__dict__.get("_specdec_weight_t")
     if cache is None:
         cache = module.__dict__["_specdec_weight_t"] = TransposedWeight()
     return transposed_linear(x, cache.get(module.weight), module.bias)
-
-
-def packed_linear(module: torch.nn.Linear, precision: str = "float32"):
-    """The :class:`~fairseq_specdec.utils.rowgemm.PackedLinear` of ``module``
-    in ``precision`` (float32: the one :func:`cached_linear` computes with),
-    cached in the module's ``__dict__`` and rebuilt when the weight changes;
-    None where the kernel does not apply."""
-    if not rowgemm.applies_to(module.weight):
-        return None
-    name = "_specdec_packed" if precision == "float32" else f"_specdec_packed_{precision}"
-    cache = module.__dict__.get(name)
-    if cache is None:
-        cache = module.__dict__[name] = DerivedWeight(partial(rowgemm.PackedLinear, precision=precision))
-    return cache.get(module.weight, module.bias)
 
 
 def transposed_linear(x: Tensor, weight_t: Tensor, bias: Optional[Tensor] = None) -> Tensor:

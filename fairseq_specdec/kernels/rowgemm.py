@@ -1,5 +1,5 @@
 """Row-blocked float32 products for few-row passes (the C++ extension
-``fairseq_specdec._rowgemm``) and the packed weight layout they read.
+``fairseq_specdec.kernels._native``) and the packed weight layout they read.
 
 A BLAS picks its kernel by shape, and on the CPUs measured here a product of
 4 rows against a large weight costs 2-5x one of 1 row although reading the
@@ -35,13 +35,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-try:
-    from .. import _rowgemm as _ext
-except ImportError as error:  # not built: see setup.py
-    _ext = None
-    _IMPORT_ERROR: Optional[str] = str(error)
-else:
-    _IMPORT_ERROR = None
+from . import _ext, applies_to, unavailable_reason
 
 #: rows one sweep of a weight computes: a call of up to this many rows reads
 #: each weight once; a larger call sweeps blocks with groups of 6 rows, the
@@ -61,29 +55,6 @@ def fitting_block(weight: Tensor, k: int, most: int) -> int:
     ``ROW_BLOCK - 1``, so that a verify pass of k + 1 rows reads each weight
     once); elsewhere ``k``."""
     return max(1, min(k, most, ROW_BLOCK - 1)) if applies_to(weight) else k
-
-
-#: whether this CPU runs the kernel (asked once: the answer cannot change)
-_SUPPORTED = _ext is not None and bool(_ext.supported())
-
-
-def _not_built() -> str:
-    return f"the C++ extension fairseq_specdec._rowgemm is not built ({_IMPORT_ERROR}); reinstall the plugin with a C++ compiler"
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why the kernel cannot run on this machine (None: it can)."""
-    if _ext is None:
-        return _not_built()
-    if not _SUPPORTED:
-        return "this CPU has no AVX2/FMA instructions"
-    return None
-
-
-def applies_to(weight: Tensor) -> bool:
-    """Whether :class:`PackedLinear` can compute with ``weight``: a float32
-    CPU tensor, and a machine that runs the kernel."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and unavailable_reason() is None
 
 
 def bfloat16_available() -> bool:
@@ -112,7 +83,7 @@ class PackedLinear:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if precision == "bfloat16" and not bfloat16_available():
-            raise RuntimeError("the C++ extension fairseq_specdec._rowgemm has no bfloat16 panels (an older build); "
+            raise RuntimeError("the C++ extension fairseq_specdec.kernels._native has no bfloat16 panels (an older build); "
                                "reinstall the plugin")
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
@@ -282,9 +253,9 @@ def strict_step_unavailable_reason() -> Optional[str]:
     """Why the extension's strict step cannot run here (None: it can).  It is
     plain C++ with no AVX2 code: it needs the extension, built with it."""
     if _ext is None:
-        return _not_built()
+        return unavailable_reason()
     if not hasattr(_ext, "strict_step"):
-        return "the C++ extension fairseq_specdec._rowgemm was built without strict_step; reinstall the plugin"
+        return "the C++ extension fairseq_specdec.kernels._native was built without strict_step; reinstall the plugin"
     return None
 
 

@@ -1,0 +1,154 @@
+"""The one backend choice: ``--specdec-backend {auto,reference}``.
+
+A speculative iteration has three computations that can run more than one
+way: the verify pass, the step from its log-probs to the tokens appended
+(fairseq's ``--beam 1`` rules, greedy picks, acceptance) and the drafters'
+passes.  :func:`resolve_backend` decides all three once per generator, from
+the option, the verifier's device and weights and the acceptance rule, logs
+what it chose and why, and hands the loop a :class:`Backend`: a ready verify
+pass, whether the acceptance step is one native call, what drafters may
+compute natively, and whether whole iterations run on fixed buffers.
+
+* ``reference``: fairseq's own layer modules over their incremental state
+  (:class:`~fairseq_specdec.generation.verifier.CachedVerifier`), torch's
+  products and tensor operations everywhere: fairseq's arithmetic.
+* ``auto``: the fastest exact path measured for the device:
+
+  - a verifier whose layers the lean pass does not know: as ``reference``;
+  - a CUDA verifier: the lean pass with static shapes replayed as CUDA graphs
+    (:class:`~fairseq_specdec.generation.static_verifier.StaticVerifier`),
+    whole iterations of a batch of one sentence as one graph for a float32
+    verifier, the verify pass's graphs for batches of one sentence in half
+    precision (docs/gpu.md);
+  - a float32 CPU verifier on a machine that runs the native kernels
+    (:mod:`fairseq_specdec.kernels`): the lean pass through them
+    (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`:
+    row-blocked products, each decoder and encoder layer one call), the
+    strict acceptance step as one call, drafters' passes through them;
+  - otherwise the lean pass with torch's products.
+
+Both keep the loop's guarantee (strict output = the verifier's greedy
+output under the pass's arithmetic, at any batch size); the kernels round
+differently from torch's BLAS (docs/exactness.md).  ``FAIRSEQ_SPECDEC_OFF``
+switches single native parts off, for the benchmark only
+(:data:`fairseq_specdec.kernels.PARTS`, docs/benchmarking.md).
+"""
+import logging
+from dataclasses import dataclass, field
+from typing import FrozenSet, Optional, Tuple
+
+import torch
+
+from ..kernels import OFF_ENV, applies_to, parts_off, rowgemm, unavailable_reason
+from .acceptance import fused_accept_reason
+from .drafters import NO_KERNELS, DraftKernels
+from .lean_verifier import LeanVerifier, lean_unsupported_reason
+from .static_verifier import StaticVerifier
+from .verifier import CachedVerifier
+from .verify_pass import VerifyPass
+
+logger = logging.getLogger(__name__)
+
+#: ``--specdec-backend`` choices
+BACKENDS = ("auto", "reference")
+
+#: on a half-precision CUDA verifier, the verify pass's graphs run for
+#: batches of at most this many sentences (whole iterations have not been
+#: measured in half precision)
+AUTO_GRAPH_ROWS = 1
+
+
+@dataclass
+class Backend:
+    """What computes an iteration, resolved once per generator.
+
+    ``verifier``: the verify pass; ``fused_accept``: the step after it runs
+    as one call of the native extension (strict acceptance, float32
+    log-probs on a CPU); ``drafting``: what drafters may compute natively;
+    ``iteration``: ``static`` or ``iteration`` where whole iterations of a
+    batch of one sentence run on fixed buffers (``iteration``: captured as
+    CUDA graphs), else None; ``reasons``: why, for the log."""
+
+    name: str
+    verifier: VerifyPass
+    fused_accept: bool = False
+    drafting: DraftKernels = NO_KERNELS
+    iteration: Optional[str] = None
+    reasons: Tuple[str, ...] = ()
+    off: FrozenSet[str] = field(default_factory=frozenset)
+
+    def describe(self) -> str:
+        """One line for the log: the choice, its parts and why."""
+        parts = [f"verify pass {self.verifier.describe()}",
+                 f"acceptance step {'native' if self.fused_accept else 'torch'}"]
+        if self.drafting.products:
+            parts.append(f"drafters native ({self.drafting.precision} weights)")
+        if self.iteration is not None:
+            parts.append(f"whole iterations at batch 1 ({self.iteration})")
+        why = f"; {'; '.join(self.reasons)}" if self.reasons else ""
+        off = f"; switched off by {OFF_ENV}: {', '.join(sorted(self.off))}" if self.off else ""
+        return f"--specdec-backend {self.name}: {', '.join(parts)}{why}{off}"
+
+
+def cuda_graph_choice(dtype: torch.dtype, off: FrozenSet[str] = frozenset()) -> Tuple[Optional[str], Optional[int]]:
+    """What ``auto`` runs on a CUDA verifier of ``dtype``, as ``(static
+    choice, max_rows)``: whole iterations at batch 1 and the verify pass's
+    graphs at every batch size for float32 (measured faster than the lean
+    pass as it is at batch 1, 8 and 64 on an H200: docs/gpu.md); the verify
+    pass's graphs for batches of :data:`AUTO_GRAPH_ROWS` sentence in half
+    precision; ``(None, None)``: no static shapes (the ``graphs`` part off)."""
+    if "graphs" in off:
+        return None, None
+    if dtype == torch.float32:
+        return ("on" if "iteration" in off else "iteration"), None
+    return "on", AUTO_GRAPH_ROWS
+
+
+def check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"--specdec-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+
+
+def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_penalty: float = 0.0,
+                    off: Optional[FrozenSet[str]] = None, static: Optional[str] = None) -> Backend:
+    """The :class:`Backend` of ``--specdec-backend name`` for verifier
+    ``model`` (see the module docstring).  ``off``: native parts switched
+    off (default: ``FAIRSEQ_SPECDEC_OFF``'s).  ``static`` (tests and tools
+    only): ``static`` runs the static-shape pass and whole iterations
+    eagerly on any device, ``on`` / ``iteration`` with CUDA graphs."""
+    check_backend(name)
+    off = parts_off() if off is None else frozenset(off)
+    weight = next(model.parameters())
+    device, dtype = weight.device, weight.dtype
+    if name == "reference":
+        return Backend(name, CachedVerifier(model, temperature), reasons=("fairseq's modules, torch's products",))
+    lean_reason = lean_unsupported_reason(getattr(model, "decoder", None))
+    if lean_reason is not None:
+        if static is not None:
+            raise ValueError(f"static shapes need the lean verify pass, which cannot run this verifier: {lean_reason}")
+        return Backend(name, CachedVerifier(model, temperature),
+                       reasons=(f"fairseq's modules: the lean pass does not run this verifier ({lean_reason})",))
+    if static is None and device.type == "cuda" and "graphs" not in off:
+        static, rows = cuda_graph_choice(dtype, off)
+        verifier = StaticVerifier(model, temperature, graphs=True, max_rows=rows, choice=static)
+        why = "a CUDA verifier: CUDA graphs" + (" of whole iterations at batch 1" if static == "iteration" else "")
+        return Backend(name, verifier, iteration=static if static == "iteration" else None, reasons=(why,), off=off)
+    if static is not None:
+        verifier = StaticVerifier(model, temperature, graphs=static != "static", choice=static)
+        return Backend(name, verifier, iteration=static if static in ("static", "iteration") else None,
+                       reasons=(f"static shapes ({static})",), off=off)
+    native = unavailable_reason()
+    if native is None and not applies_to(weight):
+        native = f"the verifier's weights are {dtype} on {device}"
+    if native is None and "products" in off:
+        native = f"switched off by {OFF_ENV}"
+    if native is not None:
+        return Backend(name, LeanVerifier(model, temperature, gemm="torch", encoder="fairseq"),
+                       reasons=(f"torch's products: the native kernels do not run ({native})",), off=off)
+    verifier = LeanVerifier(model, temperature, gemm="rowgemm", encoder="fairseq" if "encoder" in off else "auto",
+                            fused_layers="layers" not in off, embed_rows="embed" not in off)
+    fused = "accept" not in off and fused_accept_reason(acceptance, unk_penalty) is None
+    precision = "bfloat16" if "bf16" not in off and rowgemm.bfloat16_available() else "float32"
+    drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off)
+    return Backend(name, verifier, fused_accept=fused, drafting=drafting,
+                   reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

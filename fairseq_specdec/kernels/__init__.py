@@ -1,0 +1,80 @@
+"""The plugin's native code, in one place: the C++ sources (``csrc/``), the
+compiled extension ``fairseq_specdec.kernels._native`` and its bindings
+(:mod:`.rowgemm`), the packed-weight layouts it reads
+(:mod:`.packing`), and the one check whether it is built and usable here
+(:func:`unavailable_reason`, :func:`applies_to`).
+
+Only the generation layer calls into this package, and only where the
+backend (``--specdec-backend``, :mod:`fairseq_specdec.generation.backend`)
+chose the native path; models never import it.  The extension is optional:
+without it (no compiler at install, a CPU without AVX2/FMA) every decoding
+runs on torch's operations.
+
+**Parts, for benchmarking only.**  ``FAIRSEQ_SPECDEC_OFF`` (comma-separated
+names of :data:`PARTS`) switches single native parts off where the backend
+resolves, so that the benchmark can measure what each one gains
+(docs/benchmarking.md); decoding never needs it.
+"""
+import os
+from typing import FrozenSet, Optional
+
+import torch
+from torch import Tensor
+
+#: the environment variable that switches native parts off (benchmarking only)
+OFF_ENV = "FAIRSEQ_SPECDEC_OFF"
+
+#: the native parts :data:`OFF_ENV` can switch off, and what each computes
+PARTS = {
+    "products": "the verify pass's products through the row-blocked kernel (off: torch's products, and no "
+                "other part of the verify pass below)",
+    "layers": "each decoder layer of the verify pass as one call",
+    "encoder": "each encoder layer as one call",
+    "embed": "the verify pass's input rows (embedding, scale, positions) as one call",
+    "accept": "fairseq's rules, the greedy picks and strict acceptance as one call",
+    "watch": "the per-batch check that the weights are unchanged as one call",
+    "bf16": "specdec_vsd drafter weights packed in bfloat16",
+    "pick": "a drafter's shortlist projection, log-softmax and best type as one call",
+    "block": "the specdec_vsd drafter's input rows and block layers as calls of the kernel",
+    "graphs": "on a CUDA device: the verify pass with static shapes replayed as CUDA graphs",
+    "iteration": "on a CUDA device: whole iterations of a batch of one sentence as one CUDA graph",
+}
+
+
+def parts_off(value: Optional[str] = None) -> FrozenSet[str]:
+    """The parts :data:`OFF_ENV` switches off (``value``: its text; default:
+    the environment's); an unknown name is refused, naming the variable."""
+    text = os.environ.get(OFF_ENV, "") if value is None else value
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - set(PARTS))
+    if unknown:
+        raise ValueError(f"{OFF_ENV}={text}: no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    return names
+
+
+try:
+    from . import _native as _ext
+except ImportError as error:  # not built: see setup.py
+    _ext = None
+    _IMPORT_ERROR: Optional[str] = str(error)
+else:
+    _IMPORT_ERROR = None
+
+#: whether this CPU runs the kernel (asked once: the answer cannot change)
+_SUPPORTED = _ext is not None and bool(_ext.supported())
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native kernels cannot run on this machine (None: they can)."""
+    if _ext is None:
+        return (f"the C++ extension fairseq_specdec.kernels._native is not built ({_IMPORT_ERROR}); "
+                "reinstall the plugin with a C++ compiler")
+    if not _SUPPORTED:
+        return "this CPU has no AVX2/FMA instructions"
+    return None
+
+
+def applies_to(weight: Tensor) -> bool:
+    """Whether the kernels compute with ``weight``: a float32 CPU tensor, on
+    a machine that runs them."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and unavailable_reason() is None
