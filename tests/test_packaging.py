@@ -106,7 +106,8 @@ def test_sdist_installs_into_a_fresh_venv_and_decodes(sdist, toy_bin, ar_checkpo
                "--path", ar_checkpoint, "--gen-subset", "test", "--beam", "1", "--batch-size", "8", "--cpu", *extra]
         return H.parse_generate(H.run(cmd, cwd=outside).stdout)
 
-    ref = generate("--task", "translation", "--required-batch-size-multiple", "1")
+    # fairseq's own task and decoder (the plugin loaded for its safe checkpoint loader only)
+    ref = generate("--user-dir", package_dir, "--task", "translation", "--required-batch-size-multiple", "1")
     got = generate("--user-dir", package_dir, "--task", "draft_verify", "--decoding", "loop-greedy")
     assert sorted(ref) == list(range(H.SPLIT_SIZES["test"]))
     H.assert_same_hypotheses(ref, got)
