@@ -12,9 +12,23 @@ the install still succeeds, says so, and the plugin uses torch's products;
 ``FAIRSEQ_SPECDEC_NO_EXT=1`` skips it.
 """
 import os
+import re
 import sys
 
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read_version():
+    """The version written once, in fairseq_specdec/version.py (read, not
+    imported: importing the package needs fairseq)."""
+    with open(os.path.join(HERE, "fairseq_specdec", "version.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if match is None:
+        raise RuntimeError("fairseq_specdec/version.py has no line __version__ = \"X.Y.Z\"")
+    return match.group(1)
+
 
 ext_modules, cmdclass = [], {}
 if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
@@ -52,10 +66,11 @@ if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
 
 setup(
     name="fairseq-specdec",
-    version="0.1.0",
+    version=read_version(),
     description="Speculative decoding (draft-then-verify) plugin for fairseq seq2seq models",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="MIT",
     python_requires=">=3.10",
     packages=find_packages(include=["fairseq_specdec", "fairseq_specdec.*"]),
     ext_modules=ext_modules,
@@ -71,5 +86,6 @@ setup(
         "tqdm",
     ],
     # ct2: the optional CTranslate2 rows of the benchmark (--rows ...,ct2); never a dependency
-    extras_require={"test": ["pytest"], "ct2": ["ctranslate2"]},
+    # test: pytest, and build for the packaging test (python -m build)
+    extras_require={"test": ["pytest", "build"], "ct2": ["ctranslate2"]},
 )

@@ -1,5 +1,5 @@
-# The GPU kit's setting (scripts/gpu-run.sh): Multi30k EN-DE trained in one
-# 10-minute call on one lent GPU and benchmarked in a second (NOT a paper
+# The GPU kit's setting (scripts/gpu-run.sh): Multi30k EN-DE trained on one
+# GPU within ten minutes and benchmarked within ten more (NOT a paper
 # setting: the papers train on WMT for days; docs/reproducing-papers.md).
 #
 #   bash scripts/gpu-run.sh OUT_DIR                 (KIT_MODEL=small, the default)

@@ -30,8 +30,8 @@
 #    a time (BENCH_JOBS=1: two decoders on one GPU would time each other),
 #    batch sizes 1, 8 and 64, the relaxed grid at batch 1.  Decoding
 #    stays in float32; BENCH_ARGS=--fp16 decodes every fairseq row in float16
-#    (strict draft-verify is then compared with --beam 1 in float16; see the
-#    README's notes on half precision).
+#    (strict draft-verify is then compared with --beam 1 in float16; see
+#    docs/gpu.md on half precision).
 # Every variable can still be overridden from the environment.
 
 : "${DEVICE:=gpu}"

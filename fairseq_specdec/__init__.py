@@ -27,4 +27,4 @@ from . import tasks  # noqa: E402,F401
 
 compat.restore_fairseq_logging()
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402,F401

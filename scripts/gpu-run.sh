@@ -30,8 +30,8 @@
 # Usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched] [--kit DIR] OUT_DIR
 #   --dry-run  print every command with its budget and run nothing (no kit or
 #              GPU needed)
-#   --phase    all (default: the three below), train, bench or batched: on a
-#              machine lent in 10-minute calls, one phase per call, in order
+#   --phase    all (default: the three below), train, bench or batched: where
+#              a command may run only minutes, one phase per command, in order
 #   --kit DIR  the kit folder (default .gpu-kit); a kit made with --models
 #              (scripts/gpu-kit.sh) carries trained models in DIR/run: RUN is
 #              DIR/run, phase all is bench and batched, and nothing is trained

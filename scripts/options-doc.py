@@ -36,7 +36,7 @@ NOTES = {
     "task": """\
 The options that only speculative decodings read are refused under
 `--decoding autoregressive` with the option's name, instead of being
-silently ignored: {speculative}.
+ignored without a word: {speculative}.
 
 Speculative decodings are greedy. These fairseq options fail at start-up
 with a message that names them: `--beam` other than 1, `--sampling`,

@@ -1,7 +1,7 @@
 """``rows.partial.jsonl``: what a benchmark cut short keeps.
 
 A benchmark writes its tables only when every row has ended.  On a machine
-lent for minutes (the GPU kit, scripts/gpu-run.sh) a run can be stopped
+held for minutes (the GPU kit, scripts/gpu-run.sh) a run can be stopped
 before that, so each row's figures are written as soon as the row ends, one
 JSON object a line, in the order the rows ended.
 

@@ -121,7 +121,7 @@ class DraftVerifyConfig(TranslationConfig):
             "help": "speculative decodings: stop each draft before its first token whose "
             "drafter probability is below this (0 = off; drafters that return "
             f"probabilities only; default {DEFAULT_MIN_CONFIDENCE}, chosen by measurement, see "
-            "the README); the output does not change"
+            "docs/architecture.md, Draft length); the output does not change"
         },
     )
     draft_max_rows: Optional[int] = field(
