@@ -29,7 +29,7 @@ compute natively, and whether whole iterations run on fixed buffers.
 
 Both keep the loop's guarantee (strict output = the verifier's greedy
 output under the pass's arithmetic, at any batch size); the kernels round
-differently from torch's BLAS (docs/exactness.md).  ``FAIRSEQ_SPECDEC_OFF``
+differently from torch's BLAS (docs/verify-kernels.md, Exactness).  ``FAIRSEQ_SPECDEC_OFF``
 switches single native parts off, for the benchmark only
 (:data:`fairseq_specdec.kernels.PARTS`, docs/benchmarking.md).
 """

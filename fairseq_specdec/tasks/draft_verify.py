@@ -146,7 +146,7 @@ class DraftVerifyConfig(TranslationConfig):
             "the lean pass with torch's products. 'reference': fairseq's own layer modules and torch's "
             "products throughout (fairseq's arithmetic: to compare, or to rule the kernels out). Strict "
             "output is the same greedy output on both; the kernels round differently from torch's BLAS, "
-            "so a near-tie can differ from --beam 1 (docs/exactness.md)"
+            "so a near-tie can differ from --beam 1 (docs/verify-kernels.md, Exactness)"
         },
     )
     ngram_split: str = field(
