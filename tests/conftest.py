@@ -1,8 +1,12 @@
-"""Session fixtures: the toy corpus and the tiny models, each built once per session.
+"""Session fixtures: the toy corpus and the tiny models, each built once per run.
 
 Fixtures are lazy: the fast tests only binarize the toy corpus; the models are
-trained the first time a (slow) test asks for them.
+trained the first time a (slow) test asks for them.  ``make test`` runs the
+suite on two processes (pytest-xdist); a corpus or model that a fixture
+writes to disk is built once for the whole run, by whichever process asks
+first, under a file lock (:func:`shared`), and the other process reads it.
 """
+import json
 import os
 import sys
 
@@ -17,6 +21,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def shared(tmp_path_factory, name, build):
+    """``build(directory)`` (a JSON value: paths, logs) run once per test run
+    for ``name``: under pytest-xdist the workers share the directory above
+    their own temporary roots, and a file lock makes the first one build and
+    the others wait and read its result."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root = base / "shared" / name
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        done = root / ".built.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        root.mkdir(exist_ok=True)
+        value = build(root)
+        done.write_text(json.dumps(value))
+        return value
 
 
 def write_toy_bin(root, splits, make):
@@ -35,7 +61,7 @@ def toy_bin(tmp_path_factory):
     """Binarized toy corpus: train/valid and test splits test (50), test1 (57), test2 (1000)."""
     import toy_corpus
 
-    return write_toy_bin(tmp_path_factory.mktemp("toy"), H.SPLITS, toy_corpus.make_lines)
+    return shared(tmp_path_factory, "toy", lambda root: write_toy_bin(root, H.SPLITS, toy_corpus.make_lines))
 
 
 def train_tiny_transformer(data, save_dir):
@@ -54,19 +80,21 @@ def train_tiny_transformer(data, save_dir):
 @pytest.fixture(scope="session")
 def ar_checkpoint(toy_bin, tmp_path_factory):
     """A tiny Transformer translation model."""
-    return train_tiny_transformer(toy_bin, tmp_path_factory.mktemp("ckpt_ar"))
+    return shared(tmp_path_factory, "ckpt_ar", lambda root: train_tiny_transformer(toy_bin, root))
 
 
 @pytest.fixture(scope="session")
 def vsd_training(toy_bin, ar_checkpoint, tmp_path_factory):
     """(checkpoint, training log) of the tiny specdec_vsd drafter on the
     ar_checkpoint verifier (200 updates)."""
-    save_dir = tmp_path_factory.mktemp("ckpt_vsd")
-    proc = H.run([
-        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.VSD_ARGS, "--block-size", "4",
-        "--init-from-verifier", ar_checkpoint, *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
-    ])
-    return str(save_dir / "checkpoint_last.pt"), proc.stdout + proc.stderr
+    def build(save_dir):
+        proc = H.run([
+            H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.VSD_ARGS, "--block-size", "4",
+            "--init-from-verifier", ar_checkpoint, *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
+        ])
+        return [str(save_dir / "checkpoint_last.pt"), proc.stdout + proc.stderr]
+
+    return tuple(shared(tmp_path_factory, "ckpt_vsd", build))
 
 
 @pytest.fixture(scope="session")
@@ -77,14 +105,16 @@ def vsd_checkpoint(vsd_training):
 @pytest.fixture(scope="session")
 def nat_training(toy_bin, tmp_path_factory):
     """(checkpoint path, training log) of a tiny specdec_nat drafter, k = 4."""
-    save_dir = tmp_path_factory.mktemp("ckpt_nat")
-    proc = H.run([
-        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.NAT_ARGS, "--block-size", "4",
-        *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
-    ])
-    path = save_dir / "checkpoint_best.pt"
-    assert path.is_file()
-    return str(path), proc.stdout + proc.stderr
+    def build(save_dir):
+        proc = H.run([
+            H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, *H.NAT_ARGS, "--block-size", "4",
+            *H.OPTIM_ARGS, "--max-update", "200", "--save-dir", save_dir,
+        ])
+        path = save_dir / "checkpoint_best.pt"
+        assert path.is_file()
+        return [str(path), proc.stdout + proc.stderr]
+
+    return tuple(shared(tmp_path_factory, "ckpt_nat", build))
 
 
 @pytest.fixture(scope="session")
@@ -136,29 +166,33 @@ def correction_bin(tmp_path_factory):
     import toy_corpus
 
     splits = {name: H.SPLITS[name] for name in ("train", "valid", "test")}
-    return write_toy_bin(tmp_path_factory.mktemp("toy_correction"), splits, toy_corpus.make_correction_lines)
+    return shared(tmp_path_factory, "toy_correction",
+                  lambda root: write_toy_bin(root, splits, toy_corpus.make_correction_lines))
 
 
 @pytest.fixture(scope="session")
 def corrector_checkpoint(correction_bin, tmp_path_factory):
     """A tiny Transformer corrector (same model and training as ar_checkpoint)."""
-    return train_tiny_transformer(correction_bin, tmp_path_factory.mktemp("ckpt_corrector"))
+    return shared(tmp_path_factory, "ckpt_corrector", lambda root: train_tiny_transformer(correction_bin, root))
 
 
 @pytest.fixture(scope="session")
 def blockwise_checkpoint(toy_bin, ar_checkpoint, tmp_path_factory):
     """A blockwise_transformer (k = 3): the trained tiny Transformer plus two
     heads trained on its frozen states with the blockwise_heads criterion."""
-    save_dir = tmp_path_factory.mktemp("ckpt_blockwise")
     arch = [a if a != "transformer" else "blockwise_transformer" for a in H.AR_ARCH_ARGS]
-    H.run([
-        H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, "--task", "draft_verify", *arch,
-        "--blockwise-k", "3", "--criterion", "blockwise_heads", "--init-from-verifier", ar_checkpoint,
-        *H.OPTIM_ARGS, "--max-update", "300", "--save-dir", save_dir,
-    ])
-    path = save_dir / "checkpoint_best.pt"
-    assert path.is_file()
-    return str(path)
+
+    def build(save_dir):
+        H.run([
+            H.cli("fairseq-train"), toy_bin, "--user-dir", H.USER_DIR, "--task", "draft_verify", *arch,
+            "--blockwise-k", "3", "--criterion", "blockwise_heads", "--init-from-verifier", ar_checkpoint,
+            *H.OPTIM_ARGS, "--max-update", "300", "--save-dir", save_dir,
+        ])
+        path = save_dir / "checkpoint_best.pt"
+        assert path.is_file()
+        return str(path)
+
+    return shared(tmp_path_factory, "ckpt_blockwise", build)
 
 
 def pytest_configure(config):
