@@ -43,16 +43,19 @@ def test_every_strict_decoding_on_cuda_is_beam1(toy_bin, ar_checkpoint, vsd_chec
     }
     differ = {}
     for name, (path, *extra) in rows.items():
-        for graphs in ("off", "static", "on", "auto", "iteration"):
-            got, generator = decode(toy_bin, path, bsz, *extra, "--cuda-graphs", graphs)
+        # the backend's default (whole iterations at batch 1 on a float32 verifier),
+        # the verify pass's graphs alone, no graphs, and the reference backend
+        for graphs in ("auto", "FAIRSEQ_SPECDEC_OFF=iteration", "FAIRSEQ_SPECDEC_OFF=graphs", "reference"):
+            backend = ["--specdec-backend", "reference"] if graphs == "reference" else []
+            env = [graphs] if graphs.startswith("FAIRSEQ") else []
+            got, generator = decode(toy_bin, path, bsz, *extra, *backend, *env)
             assert sorted(got) == sorted(ref), name
             differ[f"{name} {graphs}"] = sum(got[i] != ref[i] for i in ref)
-            # auto on a float32 CUDA verifier: iteration (resolve_cuda_graphs)
-            whole = graphs in ("iteration", "auto") and bsz == 1 and name in ("loop-greedy", "vsd")
+            whole = graphs == "auto" and bsz == 1 and name in ("loop-greedy", "vsd")
             if whole:  # whole iterations, the verify pass captured inside them
                 cache = generator.iteration_graphs.graph_cache
                 assert cache.captures > 0 and cache.replays > cache.captures
-            elif graphs in ("on", "iteration", "auto"):  # the verify pass's own graphs, at every batch size
+            elif graphs in ("auto", "FAIRSEQ_SPECDEC_OFF=iteration"):  # the verify pass's own graphs
                 cache = generator.verifier.graph_cache
                 assert cache.captures > 0 and cache.replays > cache.captures
     assert not any(differ.values()), differ
