@@ -69,6 +69,19 @@ def bigger_dict_drafter(toy_bin, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def bigger_dict_vsd_drafter(toy_bin, tmp_path_factory):
+    """An untrained specdec_vsd drafter made for a verifier of another
+    dictionary (two extra types): its embedding copies have two more rows."""
+    root = tmp_path_factory.mktemp("bigger_vsd")
+    data = _dict_variant(toy_bin, root / "data", lambda lines: lines + ["zz1 1", "zz2 1"])
+    _, cfg = H.train_args_namespace(data, *H.VSD_ARGS, "--block-size", "4", "--cpu",
+                                    "--source-lang", "src", "--target-lang", "tgt")
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model, from_checkpoint=True)  # no verifier to copy: only the shapes matter
+    return H.save_model_checkpoint(model, cfg, root / "vsd.pt")
+
+
 def build(toy_bin, models, *argv):
     cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--beam", "1", *argv)
     task = tasks.setup_task(cfg.task)
@@ -139,6 +152,29 @@ def test_different_size_dictionary_rejected(toy_bin, untrained_verifier, bigger_
     with pytest.raises(Exception) as err:
         build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", bigger_dict_drafter)
     assert "dictionar" in str(err.value).lower(), f"{type(err.value).__name__}: {str(err.value)[:300]}"
+
+
+def test_vsd_drafter_of_another_dictionary_is_refused_by_name(toy_bin, untrained_verifier, bigger_dict_vsd_drafter):
+    """A specdec_vsd drafter made for a verifier with another dictionary:
+    the message errors.md promises, naming the file, not load_state_dict's
+    size mismatch of its embedding copies."""
+    with pytest.raises(ValueError) as err:
+        build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", bigger_dict_vsd_drafter)
+    msg = str(err.value)
+    assert "different target dictionary than the verifier's" in msg and bigger_dict_vsd_drafter in msg, msg
+    assert "size mismatch" not in msg
+
+
+def test_vsd_drafter_of_another_dictionary_in_path_is_refused(toy_bin, bigger_dict_vsd_drafter):
+    """The drafter as the second model of --path: fairseq loads it itself, and
+    the drafter's own load_state_dict refuses it with the same message."""
+    from fairseq import checkpoint_utils
+
+    task = tasks.setup_task(H.generation_cfg(toy_bin, "--task", "draft_verify").task)
+    with pytest.raises(ValueError) as err:
+        checkpoint_utils.load_model_ensemble([bigger_dict_vsd_drafter], task=task)
+    msg = str(err.value)
+    assert "specdec_vsd checkpoint was trained with a different target dictionary than the verifier's" in msg, msg
 
 
 def test_drafter_in_path_with_autoregressive(toy_bin, untrained_verifier, tiny_drafter):
