@@ -18,8 +18,41 @@ import torch
 from torch import Tensor
 
 from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.modules import LearnedPositionalEmbedding
 
 from ..utils.projection import TransposedProjection
+
+
+def position_table(decoder, device=None) -> Optional[Tensor]:
+    """The decoder's positional embeddings as a table (None: it has none):
+    row t is what fairseq adds to the target token at index t (BOS at 0),
+    for every index the decoder accepts (``t < decoder.max_positions()``).
+
+    The rows come from the decoder's own ``embed_positions`` module over a
+    sequence of that many tokens, so every table fairseq builds is read as
+    fairseq reads it: a learned table (``--decoder-learned-pos``) has
+    ``max_positions + padding_idx + 1`` rows, the first ``padding_idx + 1``
+    of them never used; a sinusoidal one is computed for the length asked.
+    A pass clamps an index past the last row to it: those slots lie past the
+    length limit, where decoding ends with EOS whatever they hold.
+
+    A learned table's rows are a view of its weight (what fairseq's module
+    reads, ``weight[padding_idx + 1 + t]``), so that a model trained after
+    the pass was built is read with its new positions."""
+    embed = decoder.embed_positions
+    if embed is None:
+        return None
+    n = decoder.max_positions()
+    if type(embed) is LearnedPositionalEmbedding and embed.padding_idx is not None:
+        first = embed.padding_idx + 1
+        return embed.weight.detach()[first:first + n]
+    pad = getattr(embed, "padding_idx", None)
+    pad = decoder.padding_idx if pad is None else pad
+    if device is None:
+        device = next(decoder.parameters()).device
+    dummy = torch.full((1, n), pad + 1, dtype=torch.long, device=device)  # no padding: positions 0 .. n-1
+    with torch.no_grad():
+        return embed(dummy)[0]
 
 
 class VerifyPass:
@@ -62,11 +95,7 @@ class VerifyPass:
         self.max_positions = decoder.max_positions()
         param = next(model.parameters())
         # row t = positional embedding of the token at index t (BOS at 0)
-        self.position_table: Optional[Tensor] = None
-        if decoder.embed_positions is not None:
-            n = min(self.max_positions, 4096) + 1
-            dummy = torch.full((1, n), decoder.padding_idx + 1, dtype=torch.long, device=param.device)
-            self.position_table = decoder.embed_positions(dummy)[0]
+        self.position_table: Optional[Tensor] = position_table(decoder, param.device)
         self.last_features: Optional[Tensor] = None
         # fairseq's output_layer is output_projection(x) without adaptive softmax
         projection = getattr(decoder, "output_projection", None)
