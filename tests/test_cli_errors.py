@@ -429,3 +429,28 @@ def test_draft_precision_bfloat16_without_packed_drafter_weights_is_refused(toy_
     explicit bfloat16 is refused, naming the option and the decoding."""
     with pytest.raises(ValueError, match=f"--draft-precision bfloat16: the drafter of --decoding {decoding} .* drop the option"):
         build(toy_bin, [untrained_verifier[0]], "--decoding", decoding, "--draft-precision", "bfloat16")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--min-len", "20", "--max-len-b", "10"], ["--min-len 20", "--max-len-b 10"]),
+    (["--min-len", "2000"], ["--min-len 2000", "1023 tokens"]),  # the toy verifier has 1024 target positions
+], ids=["over --max-len-b", "over the positions"])
+def test_min_len_that_no_output_can_reach_is_refused_when_built(toy_bin, untrained_verifier, argv, needles):
+    """fairseq's own generator asserts on the first batch (a bare
+    AssertionError); the limit is known before any output here."""
+    with pytest.raises(ValueError) as err:
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy", *argv)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+def test_min_len_over_a_batch_limit_is_refused_by_name(toy_bin, untrained_verifier):
+    """With --max-len-a the limit depends on the batch's source length: a
+    batch too short for --min-len is refused with a message naming the three
+    options, not an AssertionError."""
+    gen = build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy",
+                "--max-len-a", "1", "--max-len-b", "0", "--min-len", "100")
+    task = tasks.setup_task(H.generation_cfg(toy_bin, "--task", "draft_verify").task)
+    with pytest.raises(ValueError) as err:
+        H.run_generator(gen, untrained_verifier[0], H.batches(task, "test", 1)[:1])
+    msg = str(err.value)
+    assert all(n in msg for n in ("--min-len 100", "--max-len-a 1", "--max-len-b 0")), msg
