@@ -87,8 +87,6 @@ class VerifyPass:
                 f"draft-verify needs a fairseq Transformer verifier, got decoder "
                 f"{type(decoder).__name__}"
             )
-        if getattr(decoder, "adaptive_softmax", None) is not None:
-            raise ValueError("draft-verify does not support verifiers with adaptive softmax")
         self.model = model
         self.decoder = decoder
         self.temperature = temperature
@@ -97,7 +95,10 @@ class VerifyPass:
         # row t = positional embedding of the token at index t (BOS at 0)
         self.position_table: Optional[Tensor] = position_table(decoder, param.device)
         self.last_features: Optional[Tensor] = None
-        # fairseq's output_layer is output_projection(x) without adaptive softmax
+        # fairseq's output_layer is output_projection(x) without adaptive softmax;
+        # with it (--adaptive-softmax-cutoff), the features, which fairseq's
+        # get_normalized_probs hands to the adaptive softmax's get_log_prob
+        self.adaptive_softmax = getattr(decoder, "adaptive_softmax", None) is not None
         projection = getattr(decoder, "output_projection", None)
         self.vocab_size = len(decoder.dictionary)
         self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
@@ -141,8 +142,8 @@ class VerifyPass:
         dec = self.decoder
         if dec.layer_norm is not None:
             x = dec.layer_norm(x)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
+        if dec.project_out_dim is not None:  # --decoder-output-dim unlike the embedding's
+            x = self._project_out(x)
         self.last_features = x  # B x m x C: what drafters reading the verifier's states use
         bsz, m = x.shape[:2]
         if needed is None:
@@ -150,6 +151,10 @@ class VerifyPass:
         lprobs = x.new_full((bsz, m, self.vocab_size), -math.inf, dtype=torch.float)
         lprobs[needed] = self._log_probs(x[needed]).float()
         return lprobs
+
+    def _project_out(self, x: Tensor) -> Tensor:
+        """The decoder's ``project_out_dim`` (a linear without bias)."""
+        return self.decoder.project_out_dim(x)
 
     def _logits(self, x: Tensor) -> Tensor:
         """The verifier's output layer."""
@@ -160,10 +165,14 @@ class VerifyPass:
         return dec.output_layer(x)
 
     def _log_probs(self, x: Tensor) -> Tensor:
-        """The verifier's output layer, temperature and log-softmax."""
+        """The verifier's output layer, temperature and log-softmax (as
+        fairseq's SequenceGenerator: with an adaptive softmax, the
+        temperature divides the features it reads)."""
         logits = self._logits(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
+        if self.adaptive_softmax and logits.dim() == 2:  # its get_log_prob takes B x T x C
+            return self.model.get_normalized_probs((logits.unsqueeze(0), None), log_probs=True)[0]
         return self.model.get_normalized_probs((logits, None), log_probs=True)
 
     # -- the interface each implementation provides --------------------------
