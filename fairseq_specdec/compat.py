@@ -37,6 +37,7 @@ import os
 import pickle
 import re
 import sys
+import zipfile
 from typing import Iterable, Optional, Set
 
 import numpy as np
@@ -176,6 +177,12 @@ def _wrap_torch_load(original):
             if "Weights only load failed" not in msg and not unreadable:
                 raise  # e.g. a CUDA tensor without CUDA: torch's error is the right one
             raise _refusal(path, f, msg) from exc
+        except (KeyError, IndexError, ValueError, UnicodeDecodeError) as exc:
+            # bytes that are no zip archive read as the legacy pickle format:
+            # the unpickler fails on the first opcode that makes no sense
+            if not path or zipfile.is_zipfile(path):
+                raise
+            raise _refusal(path, f, f"not a torch.save file ({type(exc).__name__}: {exc})") from exc
         _check_task_override(path, state, sys._getframe(1))
         return state
 
@@ -243,12 +250,19 @@ def save_checkpoint(state: dict, path: str) -> None:
     folder is made if missing."""
     from omegaconf import OmegaConf
 
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory: give the checkpoint's file name (e.g. {os.path.join(path, 'checkpoint.pt')})")
     if OmegaConf.is_config(state.get("cfg")):
         state = {**state, "cfg": OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:  # nothing half-written stays behind
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def install_safe_checkpoint_loading() -> None:

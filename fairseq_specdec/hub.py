@@ -29,10 +29,19 @@ Under a speculative decoding, ``translate()``, ``sample()`` and
 (beam 1) unless given another beam, which the decoding then refuses; fairseq's
 own hub defaults ``translate()`` to beam 5.  Every ``translate()`` logs its
 statistics line, and the drafter checkpoint is read once.
+
+The translator builds its generator once when it is made, so that every
+option the decoding refuses (a missing drafter file, ``ngram_order=0``,
+``draft-verify`` without a drafter, ...) raises from :func:`from_pretrained`,
+not from the first request; only the keywords given to ``translate()``
+itself are checked there.
 """
+import copy
 import logging
 import os
 from typing import Optional
+
+from omegaconf import open_dict
 
 from fairseq import file_utils, hub_utils
 from fairseq.hub_utils import GeneratorHubInterface
@@ -93,6 +102,22 @@ class SpecDecHubInterface(GeneratorHubInterface):
     speculative decoding (fairseq's defaults otherwise)."""
 
     _noted = False
+
+    def __init__(self, cfg, task, models):
+        super().__init__(cfg, task, models)
+        if self.decoding != AUTOREGRESSIVE:
+            self._check_generator()
+
+    def _check_generator(self) -> None:
+        """Build the generator ``translate()`` will build (its default
+        options, beam 1), so that what it refuses is refused now."""
+        gen_args = copy.deepcopy(self.cfg.generation)
+        with open_dict(gen_args):
+            gen_args.beam = 1
+        generator = self.task.build_generator(self.models, gen_args)
+        stats = getattr(generator, "stats", None)
+        if stats is not None:
+            stats.close()
 
     @property
     def decoding(self) -> str:

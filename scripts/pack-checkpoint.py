@@ -51,12 +51,24 @@ def main(argv=None) -> int:
                         help="store the model's float weights in float16 (about half the size)")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.src):
-        parser.error(f"no such checkpoint: {args.src}")
+        parser.error(f"SRC: no such checkpoint: {args.src}")
+    if os.path.isdir(args.dst):
+        parser.error(f"DST {args.dst} is a directory: give the packed checkpoint's file name "
+                     f"(e.g. {os.path.join(args.dst, os.path.basename(args.src))})")
     import fairseq_specdec  # noqa: F401  (allowlists fairseq's globals for torch's safe loader)
     from fairseq import checkpoint_utils
-    from fairseq_specdec.compat import save_checkpoint
+    from fairseq_specdec.compat import CheckpointLoadError, UntrustedCheckpointError, save_checkpoint
 
-    save_checkpoint(pack(checkpoint_utils.load_checkpoint_to_cpu(args.src), args.half_weights), args.dst)
+    not_a_checkpoint = f"SRC {args.src} is not a fairseq checkpoint (fairseq-train writes checkpoint_*.pt)"
+    try:
+        state = checkpoint_utils.load_checkpoint_to_cpu(args.src)
+    except (CheckpointLoadError, UntrustedCheckpointError) as e:
+        parser.error(f"SRC: {e}")
+    except (KeyError, TypeError, AttributeError) as e:  # a torch.save file fairseq's loader cannot read
+        parser.error(f"{not_a_checkpoint}: {type(e).__name__}: {e}")
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        parser.error(f"{not_a_checkpoint}: it holds no model weights")
+    save_checkpoint(pack(state, args.half_weights), args.dst)
     print(f"{args.dst}: {os.path.getsize(args.dst) / 2**20:.1f} MiB (from {os.path.getsize(args.src) / 2**20:.1f} MiB)")
     return 0
 

@@ -69,6 +69,19 @@ def bigger_dict_drafter(toy_bin, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def bigger_dict_vsd_drafter(toy_bin, tmp_path_factory):
+    """An untrained specdec_vsd drafter made for a verifier of another
+    dictionary (two extra types): its embedding copies have two more rows."""
+    root = tmp_path_factory.mktemp("bigger_vsd")
+    data = _dict_variant(toy_bin, root / "data", lambda lines: lines + ["zz1 1", "zz2 1"])
+    _, cfg = H.train_args_namespace(data, *H.VSD_ARGS, "--block-size", "4", "--cpu",
+                                    "--source-lang", "src", "--target-lang", "tgt")
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model, from_checkpoint=True)  # no verifier to copy: only the shapes matter
+    return H.save_model_checkpoint(model, cfg, root / "vsd.pt")
+
+
 def build(toy_bin, models, *argv):
     cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--beam", "1", *argv)
     task = tasks.setup_task(cfg.task)
@@ -139,6 +152,29 @@ def test_different_size_dictionary_rejected(toy_bin, untrained_verifier, bigger_
     with pytest.raises(Exception) as err:
         build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", bigger_dict_drafter)
     assert "dictionar" in str(err.value).lower(), f"{type(err.value).__name__}: {str(err.value)[:300]}"
+
+
+def test_vsd_drafter_of_another_dictionary_is_refused_by_name(toy_bin, untrained_verifier, bigger_dict_vsd_drafter):
+    """A specdec_vsd drafter made for a verifier with another dictionary:
+    the message errors.md promises, naming the file, not load_state_dict's
+    size mismatch of its embedding copies."""
+    with pytest.raises(ValueError) as err:
+        build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", bigger_dict_vsd_drafter)
+    msg = str(err.value)
+    assert "different target dictionary than the verifier's" in msg and bigger_dict_vsd_drafter in msg, msg
+    assert "size mismatch" not in msg
+
+
+def test_vsd_drafter_of_another_dictionary_in_path_is_refused(toy_bin, bigger_dict_vsd_drafter):
+    """The drafter as the second model of --path: fairseq loads it itself, and
+    the drafter's own load_state_dict refuses it with the same message."""
+    from fairseq import checkpoint_utils
+
+    task = tasks.setup_task(H.generation_cfg(toy_bin, "--task", "draft_verify").task)
+    with pytest.raises(ValueError) as err:
+        checkpoint_utils.load_model_ensemble([bigger_dict_vsd_drafter], task=task)
+    msg = str(err.value)
+    assert "specdec_vsd checkpoint was trained with a different target dictionary than the verifier's" in msg, msg
 
 
 def test_drafter_in_path_with_autoregressive(toy_bin, untrained_verifier, tiny_drafter):
@@ -384,3 +420,28 @@ def test_vsd_drafter_computes_as_the_backend_says(toy_bin, untrained_verifier, u
     reference = build(toy_bin, [verifier, untrained_vsd], *DV, "--specdec-backend", "reference").drafter
     assert reference.native is None and not reference.kernels.products
     assert "torch operations" in reference.describe()
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--min-len", "20", "--max-len-b", "10"], ["--min-len 20", "--max-len-b 10"]),
+    (["--min-len", "2000"], ["--min-len 2000", "1023 tokens"]),  # the toy verifier has 1024 target positions
+], ids=["over --max-len-b", "over the positions"])
+def test_min_len_that_no_output_can_reach_is_refused_when_built(toy_bin, untrained_verifier, argv, needles):
+    """fairseq's own generator asserts on the first batch (a bare
+    AssertionError); the limit is known before any output here."""
+    with pytest.raises(ValueError) as err:
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy", *argv)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+def test_min_len_over_a_batch_limit_is_refused_by_name(toy_bin, untrained_verifier):
+    """With --max-len-a the limit depends on the batch's source length: a
+    batch too short for --min-len is refused with a message naming the three
+    options, not an AssertionError."""
+    gen = build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy",
+                "--max-len-a", "1", "--max-len-b", "0", "--min-len", "100")
+    task = tasks.setup_task(H.generation_cfg(toy_bin, "--task", "draft_verify").task)
+    with pytest.raises(ValueError) as err:
+        H.run_generator(gen, untrained_verifier[0], H.batches(task, "test", 1)[:1])
+    msg = str(err.value)
+    assert all(n in msg for n in ("--min-len 100", "--max-len-a 1", "--max-len-b 0")), msg

@@ -349,6 +349,65 @@ def test_pack_refuses_a_missing_checkpoint(tmp_path):
     assert proc.returncode == 2 and "no such checkpoint" in proc.stderr and not (tmp_path / "out.pt").exists()
 
 
+def _pack(*argv):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_pack_refuses_a_directory_as_destination(tmp_path, toy_bin):
+    """A folder as DST: a message naming DST, and no stray *.tmp beside it."""
+    import specdec_helpers as H
+    from fairseq import tasks
+
+    _, cfg = H.train_args_namespace(toy_bin, "--task", "translation", *H.AR_ARCH_ARGS, "--cpu")
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    src = H.save_model_checkpoint(model, cfg, tmp_path / "checkpoint_best.pt", criterion_name="CrossEntropyCriterion")
+    dst = tmp_path / "packed"
+    dst.mkdir()
+    proc = _pack(src, dst)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"DST {dst} is a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_best.pt", "packed"]
+    assert list(dst.iterdir()) == []
+
+
+@pytest.mark.parametrize("source", ["text", "dictionary", "tensors", "list"])
+def test_pack_refuses_a_source_that_is_no_checkpoint(tmp_path, toy_bin, source):
+    """A text file (torch's unpickler used to fail with IndexError or
+    KeyError), or a torch.save file that is not fairseq's: a message naming
+    SRC, no traceback, nothing written."""
+    import shutil
+
+    import torch
+
+    src = tmp_path / "src.pt"
+    if source == "text":
+        src.write_text("hello\n")
+    elif source == "dictionary":
+        shutil.copy(os.path.join(toy_bin, "dict.src.txt"), src)
+    elif source == "tensors":
+        torch.save({"x": torch.ones(2)}, src)
+    else:
+        torch.save([1, 2], src)
+    proc = _pack(src, tmp_path / "out.pt")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "SRC" in proc.stderr and str(src) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.pt"]
+
+
+def test_save_checkpoint_leaves_no_temporary_file_when_it_fails(tmp_path):
+    """compat.save_checkpoint (the scripts' one way to write a checkpoint):
+    the destination is whole or absent, and its temporary file never stays."""
+    from fairseq_specdec.compat import save_checkpoint
+
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(IsADirectoryError, match="folder"):
+        save_checkpoint({"model": {}}, str(tmp_path / "folder"))
+    with pytest.raises(Exception):
+        save_checkpoint({"model": {}, "bad": lambda: None}, str(tmp_path / "out.pt"))  # cannot be pickled
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
 def trained_run(tmp_path, checkpoint):
     """A finished run folder of the Multi30k recipe, its models the toy verifier."""
     import shutil

@@ -168,6 +168,27 @@ def test_helper_takes_flat_keywords(toy_bin, translation_checkpoint, random_draf
         from_pretrained(folder, checkpoint_file=name, data_name_or_path=toy_bin, task="translation")
 
 
+@pytest.mark.parametrize("case", ["missing drafter file", "no drafter", "ngram_order=0", "block_size=0"])
+def test_refusals_come_when_the_translator_is_made(toy_bin, translation_checkpoint, random_drafter_checkpoint,
+                                                    tmp_path, case):
+    """Serving code loads at start-up: what the decoding refuses must raise
+    from from_pretrained, not from the first translate()."""
+    from fairseq_specdec.hub import from_pretrained
+
+    missing = str(tmp_path / "no_such_drafter.pt")
+    options, error, needle = {
+        "missing drafter file": (dict(decoding="draft-verify", drafter_path=missing), FileNotFoundError, missing),
+        "no drafter": (dict(decoding="draft-verify"), ValueError, "needs a drafter"),
+        "ngram_order=0": (dict(decoding="ngram", ngram_order=0), ValueError, "--ngram-order"),
+        "block_size=0": (dict(decoding="draft-verify", drafter_path=random_drafter_checkpoint, block_size=0),
+                         ValueError, "--block-size"),
+    }[case]
+    folder, name = os.path.split(translation_checkpoint)
+    with pytest.raises(error) as err:
+        from_pretrained(folder, checkpoint_file=name, data_name_or_path=toy_bin, **options)
+    assert needle in str(err.value)
+
+
 def _toy_sentences(toy_bin, n):
     raw = Path(toy_bin).parent / "raw" / "test.src"
     return raw.read_text().splitlines()[:n]

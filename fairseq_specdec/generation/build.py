@@ -73,7 +73,11 @@ def load_drafter(task, path: str, like):
         cache = task._specdec_drafters = {}
     drafter = cache.get(key)
     if drafter is None:
-        models, _ = checkpoint_utils.load_model_ensemble([path], task=task)
+        state = checkpoint_utils.load_checkpoint_to_cpu(path)
+        saved = (state.get("model") or {}).get("dictionary_fingerprint")
+        if saved is not None:  # before building the model: another dictionary is a size mismatch there
+            check_same_dictionary(saved, dictionary_fingerprint(task.target_dictionary), f"the drafter (--drafter-path {path})")
+        models, _ = checkpoint_utils.load_model_ensemble([path], task=task, state=state)
         drafter = models[0]
         if not isinstance(drafter, DrafterModel):
             raise ValueError(f"--drafter-path {path} is a {type(drafter).__name__} checkpoint, not a drafter (specdec_nat or specdec_vsd)")

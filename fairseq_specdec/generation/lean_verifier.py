@@ -197,6 +197,7 @@ class LeanVerifier(VerifyPass):
         #: ``rowgemm`` or ``torch``: how the matrix products are computed
         self.gemm = resolve_gemm(gemm, next(self.decoder.parameters()))
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
+        self.project_out: Optional[object] = None  # the decoder's project_out_dim, laid out for gemm
         self.layers = []
         self._weights = WeightsWatch()  # the weights the layouts below were made from
         self._layer_parameters = ModuleParameters(self.decoder.layers)
@@ -240,6 +241,8 @@ class LeanVerifier(VerifyPass):
         if self._projection is not None:
             proj = self.decoder.output_projection
             weights += [proj.weight] + ([proj.bias] if proj.bias is not None else [])
+        if self.decoder.project_out_dim is not None:
+            weights.append(self.decoder.project_out_dim.weight)
         return weights
 
     def start(self) -> None:
@@ -251,6 +254,9 @@ class LeanVerifier(VerifyPass):
             if self._projection is not None:
                 proj = self.decoder.output_projection
                 self.output = make_linear(proj.weight, proj.bias, self.gemm)
+            out_dim = self.decoder.project_out_dim
+            # --decoder-output-dim: laid out as the other products, not a few-row F.linear per pass
+            self.project_out = make_linear(out_dim.weight, out_dim.bias, self.gemm) if out_dim is not None else None
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None
@@ -287,6 +293,11 @@ class LeanVerifier(VerifyPass):
                 and weight.device.type == "cpu":
             return rowgemm.embed_rows(tokens, lengths, weight, self.decoder.embed_scale, self.position_table)
         return super()._embed(tokens, lengths)
+
+    def _project_out(self, x: Tensor) -> Tensor:
+        if self.project_out is None:
+            return super()._project_out(x)
+        return self.project_out(x)
 
     def logits(self, x: Tensor) -> Tensor:
         if self.output is None:

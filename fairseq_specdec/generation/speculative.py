@@ -148,6 +148,23 @@ class DecodeSettings:
     draft_policy: Optional[DraftLengthPolicy] = None
 
 
+def check_min_len(min_len: int, max_len_a: float, max_len_b: int, max_positions: int) -> None:
+    """Refuse a ``--min-len`` that no batch can reach, before any output:
+    longer than the verifier's positions allow, or, without ``--max-len-a``,
+    than ``--max-len-b``.  (With ``--max-len-a`` the limit depends on each
+    batch's source length: the loop refuses such a batch by name.)"""
+    if min_len > max_positions - 1:
+        raise ValueError(
+            f"--min-len {min_len} is larger than any output the verifier allows: {max_positions - 1} tokens "
+            f"(its {max_positions} target positions - 1); lower --min-len"
+        )
+    if max_len_a == 0 and min_len > max_len_b:
+        raise ValueError(
+            f"--min-len {min_len} is larger than the length limit --max-len-b {max_len_b} (with --max-len-a 0): "
+            "no output could end; lower --min-len or raise --max-len-b"
+        )
+
+
 class SpeculativeGenerator:
     """Drop-in for fairseq's ``SequenceGenerator`` (``--beam 1`` contract).
 
@@ -209,6 +226,7 @@ class SpeculativeGenerator:
             raise ValueError("the backend's native acceptance step applies no --unkpen; resolve the backend "
                              "with the generator's --unkpen")
         self.max_len = self.verifier.model.max_decoder_positions()
+        check_min_len(self.min_len, self.max_len_a, self.max_len_b, self.max_len)
         self.stats = stats if stats is not None else SpecDecStats()
         # counts sentences decoded against those the run's iterators handed out
         # (the task's SentenceCounter); the statistics line is logged when they meet
@@ -430,7 +448,13 @@ class SpeculativeGenerator:
         src_tokens = sample["net_input"]["src_tokens"]
         bsz, src_len = src_tokens.shape[:2]
         max_len = max_output_length(self.max_len_a, self.max_len_b, src_len, self.max_len)
-        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        if self.min_len > max_len:  # fairseq's generator asserts here
+            raise ValueError(
+                f"--min-len {self.min_len} is larger than the length limit of this batch: {max_len} tokens "
+                f"(--max-len-a {self.max_len_a} x {src_len} source tokens + --max-len-b {self.max_len_b}, "
+                f"at most the verifier's {self.max_len} positions - 1); lower --min-len or raise "
+                "--max-len-a / --max-len-b"
+            )
 
         verifier = self.verifier
         verifier.start()

@@ -19,8 +19,41 @@ import torch
 from torch import Tensor
 
 from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.modules import LearnedPositionalEmbedding
 
 from ..utils.projection import TransposedProjection
+
+
+def position_table(decoder, device=None) -> Optional[Tensor]:
+    """The decoder's positional embeddings as a table (None: it has none):
+    row t is what fairseq adds to the target token at index t (BOS at 0),
+    for every index the decoder accepts (``t < decoder.max_positions()``).
+
+    The rows come from the decoder's own ``embed_positions`` module over a
+    sequence of that many tokens, so every table fairseq builds is read as
+    fairseq reads it: a learned table (``--decoder-learned-pos``) has
+    ``max_positions + padding_idx + 1`` rows, the first ``padding_idx + 1``
+    of them never used; a sinusoidal one is computed for the length asked.
+    A pass clamps an index past the last row to it: those slots lie past the
+    length limit, where decoding ends with EOS whatever they hold.
+
+    A learned table's rows are a view of its weight (what fairseq's module
+    reads, ``weight[padding_idx + 1 + t]``), so that a model trained after
+    the pass was built is read with its new positions."""
+    embed = decoder.embed_positions
+    if embed is None:
+        return None
+    n = decoder.max_positions()
+    if type(embed) is LearnedPositionalEmbedding and embed.padding_idx is not None:
+        first = embed.padding_idx + 1
+        return embed.weight.detach()[first:first + n]
+    pad = getattr(embed, "padding_idx", None)
+    pad = decoder.padding_idx if pad is None else pad
+    if device is None:
+        device = next(decoder.parameters()).device
+    dummy = torch.full((1, n), pad + 1, dtype=torch.long, device=device)  # no padding: positions 0 .. n-1
+    with torch.no_grad():
+        return embed(dummy)[0]
 
 
 class VerifyPass:
@@ -55,21 +88,18 @@ class VerifyPass:
                 f"draft-verify needs a fairseq Transformer verifier, got decoder "
                 f"{type(decoder).__name__}"
             )
-        if getattr(decoder, "adaptive_softmax", None) is not None:
-            raise ValueError("draft-verify does not support verifiers with adaptive softmax")
         self.model = model
         self.decoder = decoder
         self.temperature = temperature
         self.max_positions = decoder.max_positions()
         param = next(model.parameters())
         # row t = positional embedding of the token at index t (BOS at 0)
-        self.position_table: Optional[Tensor] = None
-        if decoder.embed_positions is not None:
-            n = min(self.max_positions, 4096) + 1
-            dummy = torch.full((1, n), decoder.padding_idx + 1, dtype=torch.long, device=param.device)
-            self.position_table = decoder.embed_positions(dummy)[0]
+        self.position_table: Optional[Tensor] = position_table(decoder, param.device)
         self.last_features: Optional[Tensor] = None
-        # fairseq's output_layer is output_projection(x) without adaptive softmax
+        # fairseq's output_layer is output_projection(x) without adaptive softmax;
+        # with it (--adaptive-softmax-cutoff), the features, which fairseq's
+        # get_normalized_probs hands to the adaptive softmax's get_log_prob
+        self.adaptive_softmax = getattr(decoder, "adaptive_softmax", None) is not None
         projection = getattr(decoder, "output_projection", None)
         self.vocab_size = len(decoder.dictionary)
         self._projection = TransposedProjection() if isinstance(projection, torch.nn.Linear) else None
@@ -122,8 +152,8 @@ class VerifyPass:
         dec = self.decoder
         if dec.layer_norm is not None:
             x = dec.layer_norm(x)
-        if dec.project_out_dim is not None:
-            x = dec.project_out_dim(x)
+        if dec.project_out_dim is not None:  # --decoder-output-dim unlike the embedding's
+            x = self._project_out(x)
         self.last_features = x  # B x m x C: what drafters reading the verifier's states use
         bsz, m = x.shape[:2]
         if needed is None:
@@ -131,6 +161,10 @@ class VerifyPass:
         lprobs = x.new_full((bsz, m, self.vocab_size), -math.inf, dtype=torch.float)
         lprobs[needed] = self._log_probs(x[needed]).float()
         return lprobs
+
+    def _project_out(self, x: Tensor) -> Tensor:
+        """The decoder's ``project_out_dim`` (a linear without bias)."""
+        return self.decoder.project_out_dim(x)
 
     def logits(self, x: Tensor) -> Tensor:
         """The verifier's output layer."""
@@ -141,10 +175,14 @@ class VerifyPass:
         return dec.output_layer(x)
 
     def _log_probs(self, x: Tensor) -> Tensor:
-        """The verifier's output layer, temperature and log-softmax."""
+        """The verifier's output layer, temperature and log-softmax (as
+        fairseq's SequenceGenerator: with an adaptive softmax, the
+        temperature divides the features it reads)."""
         logits = self.logits(x)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
+        if self.adaptive_softmax and logits.dim() == 2:  # its get_log_prob takes B x T x C
+            return self.model.get_normalized_probs((logits.unsqueeze(0), None), log_probs=True)[0]
         return self.model.get_normalized_probs((logits, None), log_probs=True)
 
     # -- the interface each implementation provides --------------------------

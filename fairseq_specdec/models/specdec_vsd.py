@@ -44,7 +44,7 @@ from fairseq.modules import LayerNorm
 
 from ..utils.projection import DerivedWeight, cached_linear
 from .protocol import VerifierStateDrafterModel
-from ..utils.dictionary import dictionary_fingerprint, mask_index
+from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint, mask_index
 from ..utils.encoder_out import source_padding
 
 logger = logging.getLogger(__name__)
@@ -165,6 +165,14 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)
         self.num_updates = num_updates
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        """Refuse weights trained with another dictionary before the size
+        mismatch of the embedding copies can hide the reason."""
+        saved = state_dict.get("dictionary_fingerprint")
+        if saved is not None:
+            check_same_dictionary(saved, self.dictionary_fingerprint, "this specdec_vsd checkpoint")
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def max_positions(self):
         return None  # positions past the table reuse its last row
