@@ -85,11 +85,7 @@ def test_position_table_is_what_fairseq_adds(toy_bin, learned):
 
 def strict(model, drafter, tgt_dict, verify_pass, opts):
     """A strict SpeculativeGenerator with ``opts`` whose verify pass is ``verify_pass``."""
-    from fairseq_specdec.generation import SpeculativeGenerator, StrictAcceptance
-
-    gen = SpeculativeGenerator(model, drafter, StrictAcceptance(), tgt_dict, block_size=4, **opts)
-    gen.verifier = verify_pass
-    return gen
+    return H.make_generator(model, drafter, tgt_dict, 4, verifier=verify_pass, **opts)
 
 
 def _verify_passes(model):
