@@ -389,6 +389,9 @@ def _save(directory: str, build: Callable[[Alloc], dict], meta: dict) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(directory) + ".tmp-", dir=parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700: others may read an index as they read the data
         arrays = {}
 
         def alloc(name, shape, dtype):
@@ -558,3 +561,59 @@ def _rebuild(source: SplitSource, order: int, directory: str, why: str):
         raise
     finally:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# the command (scripts/ngram-index.py)
+
+def build_index_main(argv=None) -> str:
+    """``scripts/ngram-index.py DATA_DIR --split train [--order N]``: build
+    (or check) the saved index a ``--decoding ngram`` run of that data
+    directory memory-maps.  Returns the index directory."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="ngram-index.py",
+        description="Build the saved n-gram index of a binarized split (the corpus of fairseq-generate "
+                    "--decoding ngram --ngram-split SPLIT --ngram-order N): flat numpy arrays beside the data "
+                    "(or in the cache directory where the data directory is not writable), memory-mapped by "
+                    "every later decoding. An index already there and up to date is kept.")
+    parser.add_argument("data", metavar="DATA_DIR", help="the data directory of fairseq-generate (binarized with "
+                        "fairseq-preprocess; its dict.SRC.txt and dict.TGT.txt are the verifier's)")
+    parser.add_argument("--split", default="train", help="the split to draft from (decoding's --ngram-split; "
+                        "default train)")
+    parser.add_argument("--order", type=int, default=4, help="the longest context (decoding's --ngram-order; "
+                        "default 4)")
+    parser.add_argument("--source-lang", "-s", default=None, help="source language (default: inferred from "
+                        "the file names, as fairseq does)")
+    parser.add_argument("--target-lang", "-t", default=None, help="target language (default: inferred)")
+    parser.add_argument("--force", action="store_true", help="build anew even where an index is there "
+                        "(the fix for an index refused as stale)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO, force=True)
+    from fairseq.data import Dictionary, data_utils
+
+    if args.order < 1:
+        parser.error(f"--order must be >= 1, got {args.order}")
+    if not os.path.isdir(args.data):
+        parser.error(f"DATA_DIR {args.data}: no such directory")
+    src, tgt = args.source_lang, args.target_lang
+    if src is None or tgt is None:
+        src, tgt = data_utils.infer_language_pair(args.data)
+        if src is None:
+            parser.error(f"DATA_DIR {args.data}: cannot infer the language pair from its files; give "
+                         "--source-lang and --target-lang")
+    dicts = []
+    for lang in (src, tgt):
+        path = os.path.join(args.data, f"dict.{lang}.txt")
+        if not os.path.isfile(path):
+            parser.error(f"DATA_DIR {args.data}: no dict.{lang}.txt (the dictionary decoding uses)")
+        dicts.append(Dictionary.load(path))
+    try:
+        source = SplitSource(args.data, args.split, src, tgt, dicts[0], dicts[1], option="--split")
+        directory, meta, _ = open_index(source, args.order, rebuild=args.force)
+    except (NgramIndexError, FileNotFoundError) as e:
+        raise SystemExit(f"ngram-index.py: error: {e}")
+    print(f"{directory}: {meta['sentences']} sentences, {meta.get('corpus_contexts')} corpus contexts, "
+          f"order {meta['order']}")
+    return directory
