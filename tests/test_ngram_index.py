@@ -171,6 +171,14 @@ def test_a_failed_build_leaves_nothing(toy_bin, tmp_path, monkeypatch):
     with pytest.raises(MemoryError):
         NI.open_index(split_source(data), 4)
     assert sorted(os.listdir(data)) == before
+    # what a killed build left (its process gone) is removed by the next build; a live one's is kept
+    gone = os.path.join(data, ".train.src-tgt.ngram-order4.tmp-999999999-x")
+    live = os.path.join(data, f".train.src-tgt.ngram-order4.tmp-{os.getpid()}-y")
+    os.makedirs(gone)
+    os.makedirs(live)
+    monkeypatch.undo()
+    NI.open_index(split_source(data), 4)
+    assert not os.path.exists(gone) and os.path.exists(live)
 
 
 def test_index_is_read_memory_mapped_without_pickle(toy_bin, tmp_path, monkeypatch):

@@ -32,7 +32,9 @@ import logging
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -161,48 +163,74 @@ def _write_sequences(tgt_tokens, tgt_sizes, order, bos, alloc: Alloc):
     return seq, offsets
 
 
-def _target_positions(offsets: np.ndarray, order: int, first: int, last: int) -> np.ndarray:
-    """Indexes into ``sequences`` of the target tokens of sentences first .. last - 1."""
-    starts = offsets[first:last] + order + 1
-    count = offsets[first + 1:last + 1] - starts
-    base = np.repeat(starts - np.cumsum(np.append(0, count[:-1])), count)
+def target_positions(offsets: np.ndarray, order: int, sentences: np.ndarray) -> np.ndarray:
+    """Indexes into ``sequences`` of the target tokens (each with a context) of these sentences."""
+    if sentences.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    first = np.asarray(offsets[sentences], dtype=np.int64) + order + 1
+    count = np.asarray(offsets[sentences + 1], dtype=np.int64) - first
+    base = np.repeat(first - np.cumsum(np.append(0, count[:-1])), count)
     return base + np.arange(int(count.sum()))
 
 
-def _corpus_table(seq, offsets, tgt_sizes, order, alloc: Alloc, value_dtype):
-    """The corpus table (contexts of 1 and ``order`` tokens): in buckets of
-    key ranges, so that at most about :data:`BUCKET_PAIRS` pairs are counted
-    at once, each bucket's keys hashed again from the sequences."""
+def _chunk_positions(offsets, order, first, last):
+    return target_positions(offsets, order, np.arange(first, last, dtype=np.int64))
+
+
+#: sentences whose keys are sampled to cut the corpus table's build into key ranges
+SAMPLE_SENTENCES = 200_000
+
+
+def _corpus_table(seq, offsets, tgt_sizes, order, alloc: Alloc, value_dtype, spill_dir: Optional[str] = None):
+    """The corpus table (contexts of 1 and ``order`` tokens).  Where it has
+    more than :data:`BUCKET_PAIRS` (context, next token) pairs, one pass over
+    the sentences spills the pairs to files by key range (ranges of about
+    equal counts, cut at the quantiles of a sample's keys), and each range is
+    counted alone: the memory of the build is about one range's."""
     orders = sorted({1, order})
     pairs = int(tgt_sizes.sum()) * len(orders)
     buckets = max(1, math.ceil(pairs / BUCKET_PAIRS))
-    bounds = np.zeros(0, dtype=np.uint64)
-    if buckets > 1:
-        # key ranges of about equal counts, from a sample of the keys
-        stride = max(1, pairs // (1 << 20))
-        sample = []
-        for first, last in _chunks(tgt_sizes):
-            positions = _target_positions(offsets, order, first, last)[::stride]
-            sample.append(context_keys_at(seq, positions, order, orders)[0])
-        sample = np.sort(np.concatenate(sample))
-        bounds = np.unique(sample[(np.arange(1, buckets) * sample.size) // buckets])
     parts = []
-    for b in range(bounds.size + 1):
-        keys, nexts = [], []
-        for first, last in _chunks(tgt_sizes):
-            k, x = context_keys_at(seq, _target_positions(offsets, order, first, last), order, orders)
-            if bounds.size:
-                at = np.searchsorted(bounds, k, side="right")
-                k, x = k[at == b], x[at == b]
-            keys.append(k)
-            nexts.append(x.astype(np.int32))
-        k, x, tops, totals = most_frequent(np.concatenate(keys), np.concatenate(nexts).astype(np.int64))
+    if buckets == 1:
+        got = [context_keys_at(seq, _chunk_positions(offsets, order, a, b), order, orders)
+               for a, b in _chunks(tgt_sizes)]
+        k, x, tops, totals = most_frequent(np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got]))
         parts.append((k, table_values(x, tops, totals).astype(value_dtype)))
+    else:
+        n = tgt_sizes.size
+        pick = np.sort(np.random.default_rng(0).choice(n, size=min(n, SAMPLE_SENTENCES), replace=False))
+        sample = np.sort(context_keys_at(seq, target_positions(offsets, order, pick), order, orders)[0])
+        bounds = np.unique(sample[(np.arange(1, buckets) * sample.size) // buckets])
+        with tempfile.TemporaryDirectory(prefix=".spill-", dir=spill_dir) as tmp:
+            names = [(os.path.join(tmp, f"{b}.keys"), os.path.join(tmp, f"{b}.next")) for b in range(bounds.size + 1)]
+            files = [(open(a, "wb"), open(b, "wb")) for a, b in names]
+            try:
+                for first, last in _chunks(tgt_sizes):
+                    k, x = context_keys_at(seq, _chunk_positions(offsets, order, first, last), order, orders)
+                    at = np.searchsorted(bounds, k, side="right")
+                    by = np.argsort(at, kind="stable")
+                    k, x = k[by], x[by].astype(np.int32)
+                    ends = np.cumsum(np.bincount(at, minlength=bounds.size + 1))
+                    for b, (fk, fx) in enumerate(files):
+                        lo = int(ends[b - 1]) if b else 0
+                        k[lo:ends[b]].tofile(fk)
+                        x[lo:ends[b]].tofile(fx)
+            finally:
+                for fk, fx in files:
+                    fk.close()
+                    fx.close()
+            for key_path, next_path in names:
+                k = np.fromfile(key_path, dtype=np.uint64)
+                x = np.fromfile(next_path, dtype=np.int32).astype(np.int64)
+                os.remove(key_path)
+                os.remove(next_path)
+                k, x, tops, totals = most_frequent(k, x)
+                parts.append((k, table_values(x, tops, totals).astype(value_dtype)))
     total = sum(k.size for k, _ in parts)
     keys_out = alloc("keys", (total,), np.uint64)
     values_out = alloc("values", (total,), value_dtype)
     at = 0
-    for k, v in parts:  # bucket ranges ascend: the keys come out sorted
+    for k, v in parts:  # key ranges ascend: the keys come out sorted
         keys_out[at:at + k.size] = k
         values_out[at:at + k.size] = v
         at += k.size
@@ -248,16 +276,19 @@ def _postings(src_tokens, src_sizes, vocab: int, skip: Sequence[int], alloc: All
 
 
 def build_tables(src_tokens, src_sizes, tgt_tokens, tgt_sizes, order: int, bos: int, src_vocab: int,
-                 tgt_vocab: int, skip: Sequence[int] = (), alloc: Alloc = in_memory) -> Dict[str, np.ndarray]:
+                 tgt_vocab: int, skip: Sequence[int] = (), alloc: Alloc = in_memory,
+                 spill_dir: Optional[str] = None) -> Dict[str, np.ndarray]:
     """Every array of an index (see the module docstring) from the flat
     tokens of both sides and their sentence lengths, with vectorised numpy
     over chunks of sentences; ``alloc`` makes each output array (in memory,
-    or a memory-mapped file of the index being written)."""
+    or a memory-mapped file of the index being written); ``spill_dir``:
+    where a large corpus table's build spills its key ranges (default: the
+    system's temporary directory)."""
     src_sizes = np.asarray(src_sizes, dtype=np.int64)
     tgt_sizes = np.asarray(tgt_sizes, dtype=np.int64)
     seq, offsets = _write_sequences(tgt_tokens, tgt_sizes, order, bos, alloc)
     value_dtype = np.uint32 if (tgt_vocab << CONF_BITS) < (1 << 32) else np.int64
-    keys, values = _corpus_table(seq, offsets, tgt_sizes, order, alloc, value_dtype)
+    keys, values = _corpus_table(seq, offsets, tgt_sizes, order, alloc, value_dtype, spill_dir)
     postings, posting_starts = _postings(src_tokens, src_sizes, src_vocab, skip, alloc)
     return {"sequences": seq, "offsets": offsets, "keys": keys, "values": values,
             "postings": postings, "posting_starts": posting_starts}
@@ -387,7 +418,12 @@ def _save(directory: str, build: Callable[[Alloc], dict], meta: dict) -> None:
     into place; on any failure, remove it (nothing half-written)."""
     parent = os.path.dirname(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(directory) + ".tmp-", dir=parent)
+    _remove_leftovers(directory)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-{os.getpid()}-", dir=parent)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # a build stopped by SIGTERM (a job scheduler's, kill's) removes its files too
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -399,7 +435,7 @@ def _save(directory: str, build: Callable[[Alloc], dict], meta: dict) -> None:
                                                      shape=shape)
             return arrays[name]
 
-        extra = build(alloc)
+        extra = build(alloc, tmp)
         for array in arrays.values():
             array.flush()
         del arrays
@@ -415,6 +451,39 @@ def _save(directory: str, build: Callable[[Alloc], dict], meta: dict) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _remove_leftovers(directory: str) -> None:
+    """Remove the temporary directories of builds of ``directory`` whose
+    process is gone (killed where it could not clean up)."""
+    parent, base = os.path.dirname(os.path.abspath(directory)), os.path.basename(directory)
+    for name in os.listdir(parent):
+        for kind in ("tmp", "old"):
+            head = f".{base}.{kind}-"
+            if not name.startswith(head):
+                continue
+            pid = name[len(head):].split("-", 1)[0]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            logger.info(f"n-gram index: removing {os.path.join(parent, name)}, left by a build that was stopped")
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def read_meta(directory: str) -> dict:
@@ -485,9 +554,10 @@ class SplitSource:
         ids = {"max_source_id": _max_id(self.src_tokens), "max_target_id": _max_id(self.tgt_tokens)}
         self.check_meta_ids(ids)  # before anything is written
 
-        def build(alloc):
+        def build(alloc, tmp):
             arrays = build_tables(self.src_tokens, self.src_sizes, self.tgt_tokens, self.tgt_sizes, order,
-                                  self.tgt_dict.eos(), len(self.src_dict), len(self.tgt_dict), self.skip, alloc)
+                                  self.tgt_dict.eos(), len(self.src_dict), len(self.tgt_dict), self.skip, alloc,
+                                  spill_dir=tmp)
             return {**ids, "corpus_contexts": int(arrays["keys"].size)}
 
         _save(directory, build, meta)
@@ -550,7 +620,7 @@ def _build(source: SplitSource, order: int, directory: str):
 
 def _rebuild(source: SplitSource, order: int, directory: str, why: str):
     logger.info(f"n-gram index: rebuilding {directory} ({why})")
-    old = tempfile.mkdtemp(prefix="." + os.path.basename(directory) + ".old-", dir=os.path.dirname(directory))
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-{os.getpid()}-", dir=os.path.dirname(directory))
     os.rmdir(old)
     os.rename(directory, old)
     try:
