@@ -18,6 +18,12 @@ Two tables, both keyed by a hash of the last ``n`` tokens (``n`` = 1 ..
 * the **corpus table**, made once: for contexts of ``order`` tokens and of
   1 token, the most frequent next token in the whole corpus.
 
+Both are made from arrays built once per split and order and saved beside
+the data (:mod:`.ngram_index`, ``scripts/ngram-index.py``), which every
+decoding memory-maps; retrieval reads at most :data:`RETRIEVAL_BUDGET`
+postings per sentence, so that neither start-up nor retrieval grows with
+the corpus (docs/ngram.md).
+
 A draft token is the neighbours' continuation of the longest context they
 know, except that the corpus's continuation of a full ``order``-token
 context comes before the neighbours' shorter ones; with neither, the
