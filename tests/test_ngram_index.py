@@ -25,7 +25,8 @@ def copy_data(toy_bin, dest, splits=("train",)):
     """A data directory of its own: the toy corpus's dictionaries and ``splits``."""
     os.makedirs(dest, exist_ok=True)
     for name in os.listdir(toy_bin):
-        if name.startswith("dict.") or any(name.startswith(f"{s}.src-tgt.") for s in splits):
+        binarized = name.endswith((".bin", ".idx")) and any(name.startswith(f"{s}.src-tgt.") for s in splits)
+        if name.startswith("dict.") or binarized:  # not the indexes other tests built beside the toy data
             shutil.copy(os.path.join(toy_bin, name), os.path.join(dest, name))
     return str(dest)
 

@@ -67,7 +67,7 @@ def make_corpus(data, dest, split, src, tgt, size, changed, seed, gen_subset):
         return dest
     os.makedirs(dest, exist_ok=True)
     for name in os.listdir(data):
-        if name.startswith("dict.") or name.startswith(gen_subset + "."):
+        if name.startswith("dict.") or (name.startswith(gen_subset + ".") and name.endswith((".bin", ".idx"))):
             link = os.path.join(dest, name)
             if not os.path.lexists(link):
                 os.symlink(os.path.realpath(os.path.join(data, name)), link)
