@@ -64,7 +64,7 @@ _ORDER_BITS = 8  # key = hash * 8 + n
 DICT_LIMIT = 1_000_000
 #: postings read per sentence by retrieval, the rarest source tokens' first
 #: (a cap: the cost of retrieval does not grow with the corpus)
-RETRIEVAL_BUDGET = 1 << 15
+RETRIEVAL_BUDGET = 1 << 14
 #: --ngram-min-confidence's default (chosen by measurement: docs/architecture.md, "Drafting from a corpus")
 NGRAM_MIN_CONFIDENCE = 0.25
 
