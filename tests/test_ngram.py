@@ -63,19 +63,35 @@ def test_corpus_continuation_is_the_most_frequent():
     assert drafts.tolist() == [[5, 6, 7], [7, 8, EOS]]
 
 
-def test_large_corpus_path_makes_the_same_tables(monkeypatch):
-    """A corpus too large to keep every position's keys hashes its
-    sentences for each table: the same corpus and neighbours' tables either way."""
-    import fairseq_specdec.generation.ngram as ngram
+def random_corpus(sentences, seed=0, vocab=40):
+    rng = np.random.default_rng(seed)
+    sources = [rng.integers(3, vocab, rng.integers(1, 9)).tolist() + [EOS] for _ in range(sentences)]
+    targets = [rng.integers(3, 12, rng.integers(0, 9)).tolist() + [EOS] for _ in range(sentences)]
+    return sources, targets
 
-    kept = NgramCorpus(SOURCES, TARGETS, order=3, bos=BOS, skip=(PAD, EOS))
-    monkeypatch.setattr(ngram, "POSITION_KEYS_LIMIT", 0)
-    hashed = NgramCorpus(SOURCES, TARGETS, order=3, bos=BOS, skip=(PAD, EOS))
-    assert kept._position_keys is not None and hashed._position_keys is None
-    assert kept.keys.tolist() == hashed.keys.tolist() and kept.values.tolist() == hashed.values.tolist()
-    for sentences in ([0], [1, 2], [0, 1, 2]):
-        assert kept.table(np.array(sentences)) == hashed.table(np.array(sentences))
-        assert len(kept.table(np.array(sentences))) > 0
+
+def test_chunked_build_makes_the_same_tables(monkeypatch):
+    """A corpus built in chunks of a few sentences and buckets of a few
+    contexts (as a large one is) has the same tables as one built at once,
+    and the corpus table searched in its sorted keys answers as the dict does."""
+    import fairseq_specdec.generation.ngram as ngram
+    import fairseq_specdec.generation.ngram_index as ngram_index
+
+    sources, targets = random_corpus(300)
+    whole = NgramCorpus(sources, targets, order=3, bos=BOS, skip=(PAD, EOS))
+    monkeypatch.setattr(ngram_index, "CHUNK_TOKENS", 17)
+    monkeypatch.setattr(ngram_index, "BUCKET_PAIRS", 100)
+    monkeypatch.setattr(ngram, "DICT_LIMIT", 0)
+    chunked = NgramCorpus(sources, targets, order=3, bos=BOS, skip=(PAD, EOS))
+    assert whole._table is not None and chunked._table is None
+    for name in ("sequences", "offsets", "keys", "values", "postings", "posting_starts"):
+        assert getattr(whole, name).tolist() == getattr(chunked, name).tolist(), name
+    assert whole.keys.size > 100  # several buckets
+    for key in whole.keys.tolist()[::7] + [12345, 0]:
+        assert whole.lookup(key) == chunked.lookup(key)
+    for sentences in ([0], [1, 2], [5, 70, 299]):
+        assert whole.table(np.array(sentences)) == chunked.table(np.array(sentences))
+        assert len(whole.table(np.array(sentences))) > 0
 
 
 def test_neighbours_come_first():

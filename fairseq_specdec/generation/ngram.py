@@ -18,6 +18,12 @@ Two tables, both keyed by a hash of the last ``n`` tokens (``n`` = 1 ..
 * the **corpus table**, made once: for contexts of ``order`` tokens and of
   1 token, the most frequent next token in the whole corpus.
 
+Both are made from arrays built once per split and order and saved beside
+the data (:mod:`.ngram_index`, ``scripts/ngram-index.py``), which every
+decoding memory-maps; retrieval reads at most :data:`RETRIEVAL_BUDGET`
+postings per sentence, so that neither start-up nor retrieval grows with
+the corpus (docs/ngram.md).
+
 A draft token is the neighbours' continuation of the longest context they
 know, except that the corpus's continuation of a full ``order``-token
 context comes before the neighbours' shorter ones; with neither, the
@@ -36,77 +42,38 @@ that is likely rejected.
 """
 import logging
 import math
+import os
 import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .drafters import Drafter, padded_drafts, row_tails
+from .ngram_index import (
+    CONF_BITS, CONF_MAX, SplitSource, build_tables, context_keys_at as _context_keys, most_frequent as _most_frequent,
+    open_index, table_values as _table_values,
+)
 
 logger = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
-_P = 1_000_003  # hash multiplier
+_P = 1_000_003  # hash multiplier (as ngram_index's)
 _ORDER_BITS = 8  # key = hash * 8 + n
-#: corpus tables of at most this many contexts are kept as a dict too
-DICT_LIMIT = 4_000_000
-#: corpora of at most this many positions x --ngram-order keep the keys of every position (8 bytes each: 64 MB at most)
-POSITION_KEYS_LIMIT = 8_000_000
-#: a table value is ``next_token << CONF_BITS | q``, the confidence quantized to ``q / CONF_MAX``
-CONF_BITS = 10
-CONF_MAX = (1 << CONF_BITS) - 1
+#: corpus tables of at most this many contexts are kept as a dict too (about 100 MB at most), larger
+#: ones are searched in their sorted (memory-mapped) keys
+DICT_LIMIT = 1_000_000
+#: postings read per sentence by retrieval, the rarest source tokens' first
+#: (a cap: the cost of retrieval does not grow with the corpus)
+RETRIEVAL_BUDGET = 1 << 14
 #: --ngram-min-confidence's default (chosen by measurement: docs/architecture.md, "Drafting from a corpus")
 NGRAM_MIN_CONFIDENCE = 0.25
 
 
-def _context_keys(sequences: np.ndarray, starts: np.ndarray, order: int, orders: Sequence[int]):
-    """Keys and next tokens of every target position of ``sequences`` (int64,
-    each sequence preceded by ``order`` sentinels of -1; ``starts``: the index
-    of each position that has a next token to learn) for the context lengths
-    ``orders``.  Returns (keys uint64, next int64), one entry per position and
-    order."""
-    h = np.zeros(starts.shape[0], dtype=np.uint64)
-    keys, nexts = [], []
-    nxt = sequences[starts]
-    for n in range(1, order + 1):
-        with np.errstate(over="ignore"):
-            h = h * np.uint64(_P) + (sequences[starts - n] + 1).astype(np.uint64)
-            if n in orders:
-                keys.append(h * np.uint64(_ORDER_BITS) + np.uint64(n))
-                nexts.append(nxt)
-    return np.concatenate(keys), np.concatenate(nexts)
-
-
-def _most_frequent(keys: np.ndarray, nexts: np.ndarray):
-    """For each distinct key, its most frequent next token (ties: the
-    smallest id), that token's count and the key's count.  Returns (sorted
-    distinct keys, their next tokens, top counts, totals).  Two sorts: the
-    keys to dense ids, then the (id, next) pairs as one integer."""
-    if keys.size == 0:
-        return keys, nexts, nexts, nexts
-    distinct, ids = np.unique(keys, return_inverse=True)
-    span = int(nexts.max()) + 1
-    pairs, counts = np.unique(ids.astype(np.int64) * span + nexts, return_counts=True)
-    group = pairs // span  # the key's id, ascending; every id has a pair
-    starts = np.flatnonzero(np.diff(group, prepend=-1))
-    totals = np.add.reduceat(counts, starts)
-    # per key, the first of its pairs (smallest next) with the key's largest count
-    best = np.flatnonzero(counts == np.maximum.reduceat(counts, starts)[group])
-    best = best[np.diff(group[best], prepend=-1) != 0]
-    return distinct, pairs[best] % span, counts[best], totals
-
-
-def _table_values(nexts: np.ndarray, tops: np.ndarray, totals: np.ndarray) -> np.ndarray:
-    """Table values: each next token with its confidence ``top / (total + 1)``
-    (see the module docstring), quantized to ``CONF_BITS`` bits (rounded down)."""
-    q = (tops * CONF_MAX) // (totals + 1)
-    return (nexts << CONF_BITS) | q
-
-
 class NgramCorpus:
-    """The corpus side of :class:`NgramDrafter`, built once per corpus:
-    the target sentences as one array, the corpus table and an inverted index
-    of the sources for retrieval.
+    """The corpus side of :class:`NgramDrafter`: the target sentences as one
+    array, the corpus table and an inverted index of the sources for
+    retrieval, as arrays (in memory, or memory-mapped from a saved index:
+    :meth:`from_arrays`, :mod:`.ngram_index`).
 
     ``sources`` / ``targets``: token id sequences of the corpus (targets end
     with EOS, as fairseq stores them); ``bos``: the token before each output
@@ -119,47 +86,37 @@ class NgramCorpus:
             raise ValueError(f"--ngram-order must be >= 1, got {order}")
         if len(sources) != len(targets):
             raise ValueError("the corpus has a different number of source and target sentences")
+
+        def flat(sentences):
+            sizes = np.array([len(s) for s in sentences], dtype=np.int64)
+            tokens = np.array([t for s in sentences for t in s], dtype=np.int64)
+            return tokens, sizes
+
+        (src, src_sizes), (tgt, tgt_sizes) = flat(sources), flat(targets)
+        src_vocab = int(src.max()) + 1 if src.size else 1
+        tgt_vocab = max(int(tgt.max()) + 1 if tgt.size else 1, bos + 1)
+        self._attach(build_tables(src, src_sizes, tgt, tgt_sizes, order, bos, src_vocab, tgt_vocab, skip), order)
+
+    @classmethod
+    def from_arrays(cls, arrays: Dict[str, np.ndarray], order: int) -> "NgramCorpus":
+        """A corpus over the arrays of :func:`.ngram_index.build_tables` (or a saved index's, memory-mapped)."""
+        corpus = cls.__new__(cls)
+        corpus._attach(arrays, order)
+        return corpus
+
+    def _attach(self, arrays: Dict[str, np.ndarray], order: int) -> None:
         self.order = order
-        self.sentences = len(targets)
-        # targets: [order sentinels][bos][target ...] per sentence, one array
-        lengths = np.array([len(t) for t in targets], dtype=np.int64)
-        span = lengths + 1 + order
-        self.offsets = np.zeros(len(targets) + 1, dtype=np.int64)
-        np.cumsum(span, out=self.offsets[1:])
-        seq = np.full(int(self.offsets[-1]), -1, dtype=np.int64)
-        for i, t in enumerate(targets):
-            at = int(self.offsets[i]) + order
-            seq[at] = bos
-            seq[at + 1 : at + 1 + len(t)] = np.asarray(t, dtype=np.int64)
-        self.sequences = seq
-        every = self._positions(np.arange(len(targets)))
-        # the keys of every context length at every position of ``sequences``, where they fit
-        # (the tables below then read them instead of hashing the sentences again)
-        self._position_keys = None
-        if seq.size * order <= POSITION_KEYS_LIMIT:
-            self._position_keys = np.zeros((order, seq.size), dtype=np.uint64)
-            self._position_keys[:, every] = _context_keys(seq, every, order, range(1, order + 1))[0].reshape(order, -1)
-        self.keys, nexts, tops, totals = _most_frequent(*self._keys_at(every, sorted({1, order})))
-        #: per key of ``keys``, its table value (see :func:`_table_values`)
-        self.values = _table_values(nexts, tops, totals)
-        # a dict where it fits (a lookup of a few hundred nanoseconds), else a search of the sorted keys
+        self.sequences, self.offsets = arrays["sequences"], arrays["offsets"]
+        self.sentences = int(self.offsets.shape[0]) - 1
+        self.keys, self.values = arrays["keys"], arrays["values"]
+        self.postings, self.posting_starts = arrays["postings"], arrays["posting_starts"]
+        # a dict where it is small (a lookup of a few hundred nanoseconds), else a search of the sorted keys
         self._table = dict(zip(self.keys.tolist(), self.values.tolist())) if self.keys.size <= DICT_LIMIT else None
-        # retrieval: source token -> sentences (distinct tokens per sentence), inverse document frequency
-        skip = set(skip)
-        rows, cols = [], []
-        for i, s in enumerate(sources):
-            distinct = {int(t) for t in s} - skip
-            rows.extend([i] * len(distinct))
-            cols.extend(distinct)
-        rows_a, cols_a = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
-        by_type = np.argsort(cols_a, kind="stable")
-        self._posting_rows = rows_a[by_type]
-        types, first, counts = np.unique(cols_a[by_type], return_index=True, return_counts=True)
-        # source token -> (first index in _posting_rows, sentences, inverse document frequency)
-        self._postings: Dict[int, tuple] = {
-            int(t): (int(f), int(c), math.log(max(1, self.sentences) / c))
-            for t, f, c in zip(types.tolist(), first.tolist(), counts.tolist())
-        }
+        #: postings read per sentence at most (see :data:`RETRIEVAL_BUDGET`)
+        self.budget = RETRIEVAL_BUDGET
+        # retrieval's running scores, one per corpus sentence, all zero between calls (allocated
+        # once: the pages a retrieval touches are its postings' sentences; not for concurrent use)
+        self._scores = np.zeros(self.sentences, dtype=np.float64)
 
     def _positions(self, sentences: np.ndarray) -> np.ndarray:
         """Indexes into ``sequences`` of the target tokens (each with a context) of these sentences."""
@@ -175,39 +132,57 @@ class NgramCorpus:
         """The ``count`` corpus sentences whose sources share the most source
         tokens with ``source``, each shared token weighted by its inverse
         document frequency (tokens in more than 1/e of the sentences left
-        out), best first."""
+        out), best first (ties: corpus order).
+
+        Its cost does not grow with the corpus: the postings of the source's
+        tokens are read rarest token first, at most :attr:`budget` of them
+        (the token that does not fit whole is read in part, its first
+        sentences), so a sentence that shares only common tokens can be
+        missed in a corpus where those are read in part."""
         if count <= 0 or self.sentences == 0:
             return np.zeros(0, dtype=np.int64)
-        spans = [self._postings.get(t) for t in set(int(x) for x in source)]
-        spans = [p for p in spans if p is not None and p[2] > min_idf]
-        if not spans:
+        types = self.posting_starts.shape[0] - 1
+        tokens = np.unique(np.asarray(list(source), dtype=np.int64))
+        tokens = tokens[(tokens >= 0) & (tokens < types)]
+        first = np.asarray(self.posting_starts[tokens], dtype=np.int64)
+        df = np.asarray(self.posting_starts[tokens + 1], dtype=np.int64) - first
+        known = df > 0
+        first, df = first[known], df[known]
+        idf = np.log(self.sentences / np.maximum(df, 1))
+        useful = idf > min_idf
+        first, df, idf = first[useful], df[useful], idf[useful]
+        if df.size == 0:
             return np.zeros(0, dtype=np.int64)
-        hits = np.concatenate([self._posting_rows[first : first + n] for first, n, _ in spans])
-        weights = np.repeat([idf for _, _, idf in spans], [n for _, n, _ in spans])
-        scores = np.bincount(hits, weights=weights, minlength=self.sentences)
-        # the top ``count`` lie among the sentences scoring at least half the best, when there are that many
-        candidates = np.flatnonzero(scores >= 0.5 * scores.max())
-        if candidates.size < count:
-            candidates = np.flatnonzero(scores)
+        scores, left, hits = self._scores, self.budget, []
+        for at in np.argsort(df, kind="stable").tolist():
+            take = min(int(df[at]), left)
+            rows = self.postings[first[at]: first[at] + take]
+            scores[rows] += idf[at]  # a sentence is in a token's list once
+            hits.append(rows)
+            left -= take
+            if left == 0:
+                break
+        hits = np.concatenate(hits)
+        try:
+            got = scores[hits]
+            # the top ``count`` lie among the sentences scoring at least half the best, when there are that many
+            candidates = np.unique(hits[got >= 0.5 * got.max()])
+            if candidates.size < count:
+                candidates = np.unique(hits)
+            best = scores[candidates]
+        finally:
+            scores[hits] = 0.0
         if candidates.size > count:
-            candidates = candidates[np.argpartition(-scores[candidates], count - 1)[:count]]
-        return candidates[np.lexsort((candidates, -scores[candidates]))]
-
-    def _keys_at(self, positions: np.ndarray, orders: Sequence[int]):
-        """Keys and next tokens of these positions of ``sequences`` for the
-        context lengths ``orders`` (ascending), as :func:`_context_keys`
-        returns them: read from the kept position keys, else hashed."""
-        if self._position_keys is None:
-            return _context_keys(self.sequences, positions, self.order, set(orders))
-        rows = [n - 1 for n in orders]
-        keys = self._position_keys[np.ix_(rows, positions)].ravel()
-        return keys, np.tile(self.sequences[positions], len(rows))
+            keep = np.argpartition(-best, count - 1)[:count]
+            candidates, best = candidates[keep], best[keep]
+        return candidates[np.lexsort((candidates, -best))].astype(np.int64)
 
     def table(self, sentences: np.ndarray) -> Dict[int, int]:
         """The neighbours' table of these sentences: key -> value (the most
         frequent next token and its confidence, :func:`_table_values`), every order."""
         positions = self._positions(np.asarray(sentences, dtype=np.int64))
-        keys, nexts, tops, totals = _most_frequent(*self._keys_at(positions, range(1, self.order + 1)))
+        keys, nexts, tops, totals = _most_frequent(*_context_keys(self.sequences, positions, self.order,
+                                                                  range(1, self.order + 1)))
         return dict(zip(keys.tolist(), _table_values(nexts, tops, totals).tolist()))
 
     def lookup(self, key: int) -> Optional[int]:
@@ -317,35 +292,44 @@ def check_options(order: int, neighbours: int, min_confidence: float) -> None:
         raise ValueError(f"--ngram-min-confidence must be in [0, 1), got {min_confidence}")
 
 
+def check_not_translated(task, split: str) -> None:
+    """Refuse drafting from the split being translated (fairseq-generate's
+    ``--gen-subset``, which it loads before building the generator; a split
+    the trainer loaded to train on is no such split; fairseq-interactive
+    loads none)."""
+    dataset = getattr(task, "datasets", {}).get(split)
+    if dataset is None:
+        return
+    is_training = getattr(task, "is_training_dataset", None)
+    if is_training is not None and is_training(dataset):
+        return
+    raise ValueError(
+        f"--ngram-split {split} is the split being translated (--gen-subset {split}): drafting from it would "
+        "put its reference translations into the draft table (the output stays exact, but the speed and "
+        "acceptance measured that way are inflated); draft from another split (default train, best the "
+        "verifier's distillation of its training set)"
+    )
+
+
 def load_ngram_corpus(task, split: str, order: int) -> NgramCorpus:
     """The :class:`NgramCorpus` of the task's binarized ``split`` (source and
-    target, the task's dictionaries), built once per task, split and order."""
+    target, the task's dictionaries), once per task, split and order: the
+    split's saved index memory-mapped, built and saved first where there is
+    none (:func:`.ngram_index.open_index`)."""
     cache = task.__dict__.setdefault("_specdec_ngram_corpora", {})
     key = (split, order)
     if key in cache:
         return cache[key]
-    previous = task.datasets.get(split)
-    try:
-        task.load_dataset(split)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"--ngram-split {split}: no binarized split '{split}' in the data directory ({e}); "
-            "give a split that fairseq-preprocess made (the recipe's distillation: train)"
-        ) from None
-    dataset = task.datasets[split]
-    if previous is not None:
-        task.datasets[split] = previous
-    else:
-        del task.datasets[split]
-    if getattr(dataset, "tgt", None) is None:
-        raise ValueError(f"--ngram-split {split}: the split has no target side to draft from")
+    if order < 1:
+        raise ValueError(f"--ngram-order must be >= 1, got {order}")
+    check_not_translated(task, split)
+    data_dir = task.cfg.data.split(os.pathsep)[0]
+    source = SplitSource(data_dir, split, task.cfg.source_lang, task.cfg.target_lang, task.source_dictionary,
+                         task.target_dictionary)
     started = time.perf_counter()
-    sources = [dataset.src[i].tolist() for i in range(len(dataset))]
-    targets = [dataset.tgt[i].tolist() for i in range(len(dataset))]
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-    corpus = NgramCorpus(sources, targets, order, bos=tgt_dict.eos(),
-                         skip=(src_dict.pad(), src_dict.eos(), src_dict.bos(), src_dict.unk()))
+    directory, meta, arrays = open_index(source, order)
+    corpus = NgramCorpus.from_arrays(arrays, order)
     logger.info(f"n-gram drafter: {corpus.sentences} sentences of split '{split}', order {order}, "
-                f"{corpus.keys.size} corpus contexts, built in {time.perf_counter() - started:.1f} s")
+                f"{corpus.keys.size} corpus contexts, ready in {time.perf_counter() - started:.1f} s ({directory})")
     cache[key] = corpus
     return corpus
