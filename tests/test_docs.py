@@ -146,3 +146,16 @@ def test_license_citation_and_references():
     for url in ("openreview.net/forum?id=H-VlwsYvVi", "arxiv.org/abs/2203.16487", "2023.findings-emnlp.257",
                 "arxiv.org/abs/2205.10350", "arxiv.org/abs/1811.03115"):
         assert url in text, url
+
+
+def test_benchmarking_lists_every_native_part():
+    """docs/benchmarking.md's table of FAIRSEQ_SPECDEC_OFF names exactly the
+    parts the package knows (a removed part leaves the table too)."""
+    import re
+
+    from fairseq_specdec.kernels import PARTS
+
+    text = (H.ROOT / "docs" / "benchmarking.md").read_text()
+    section = text.split("## Measuring the native parts", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `([a-z0-9]+)` \|", section, re.M))
+    assert listed == set(PARTS)

@@ -165,30 +165,3 @@ def test_backend_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint,
             ("auto", "encoder"): native.replace(", fused C++ encoder", ""),
             ("auto", "layers"): native.replace(", fused C++ layers", "")}
     assert kinds == {k: v for k, v in want.items() if k in kinds}
-
-
-@pytest.mark.parametrize("extra", [(), ("--no-scale-embedding",), ("--no-token-positional-embeddings",)])
-def test_input_rows_in_one_call_equal_fairseqs_embedding(toy_bin, monkeypatch, extra):
-    """Under rowgemm the pass's input rows come from one call of the
-    extension: bitwise fairseq's embedding times its scale plus the position
-    rows, positions past the table taking its last row."""
-    from fairseq_specdec.generation.verify_pass import VerifyPass
-    from fairseq_specdec.kernels import rowgemm
-
-    H.skip_unless_gemm("rowgemm")
-    model, task = untrained_transformer(toy_bin, *extra)
-    lean = LeanVerifier(model, gemm="rowgemm")
-    assert lean._embed_rows
-    calls = []
-    real = rowgemm.embed_rows
-    monkeypatch.setattr(rowgemm, "embed_rows", lambda *a: calls.append(1) or real(*a))
-    table = lean.position_table.size(0) if lean.position_table is not None else 50
-    tokens = torch.randint(0, len(task.target_dictionary), (3, 4))
-    lengths = torch.tensor([0, 7, table - 2])  # the last row runs past the position table
-    with torch.no_grad():
-        got = lean._embed(tokens, lengths)
-        want = VerifyPass._embed(lean, tokens, lengths)
-    assert calls == [1]
-    assert torch.equal(got, want)
-    if lean.position_table is not None:  # the positions matter
-        assert not torch.equal(got[1], lean._embed(tokens, lengths + 1)[1])

@@ -4,22 +4,12 @@ Optimizers write through ``p.data``: no version bump, same storage."""
 import pytest
 import torch
 
-from fairseq_specdec.kernels import rowgemm
 from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch
 
-# every test runs with the extension's signatures (csrc/watch.cpp) and with the tensor operations
-IMPLS = [pytest.param(True, id="extension",
-                      marks=pytest.mark.skipif(not rowgemm.SIGNATURES, reason="the C++ extension is not built")),
-         pytest.param(False, id="tensor-ops")]
 
-
-@pytest.fixture(params=IMPLS)
-def make_watch(request):
-    def make():
-        watch = WeightsWatch(use_extension=request.param)
-        assert watch.use_extension == request.param
-        return watch
-    return make
+@pytest.fixture
+def make_watch():
+    return WeightsWatch
 
 
 def weights():
@@ -79,23 +69,6 @@ def test_every_sampled_element_is_compared_and_an_unsampled_one_is_not(make_watc
         w[1].data[16] = -5.0  # not sampled: the watch's stated limit
         w[0].data.view(-1)[1] = -5.0
     assert not watch.changed(w)
-
-
-def test_the_extension_compares_cpu_lists_and_the_tensor_operations_the_rest():
-    if not rowgemm.SIGNATURES:
-        pytest.skip("the C++ extension is not built")
-    w = weights()
-    watch = WeightsWatch()
-    watch.changed(w)
-    assert watch._signature is not None  # the extension's look
-    mixed = w + [torch.randn(30, 40).t()]  # a non-contiguous weight: tensor operations
-    assert watch.changed(mixed)
-    assert watch._signature is None
-    assert not watch.changed(mixed)
-    mixed[2][0, 0] += 1.0
-    assert watch.changed(mixed)
-    assert watch.changed(w)  # back to the extension: a change, whatever the values
-    assert watch._signature is not None and not watch.changed(w)
 
 
 def test_a_non_contiguous_weight_is_read_afresh(make_watch):

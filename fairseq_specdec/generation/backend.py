@@ -146,7 +146,7 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
         return Backend(name, LeanVerifier(model, temperature, gemm="torch", encoder="fairseq"),
                        reasons=(f"torch's products: the native kernels do not run ({native})",), off=off)
     verifier = LeanVerifier(model, temperature, gemm="rowgemm", encoder="fairseq" if "encoder" in off else "auto",
-                            fused_layers="layers" not in off, embed_rows="embed" not in off)
+                            fused_layers="layers" not in off)
     fused = "accept" not in off and fused_accept_reason(acceptance, unk_penalty) is None
     precision = "bfloat16" if "bf16" not in off and rowgemm.bfloat16_available() else "float32"
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off)

@@ -189,7 +189,7 @@ class LeanVerifier(VerifyPass):
     impl = "lean"
 
     def __init__(self, model, temperature: float = 1.0, gemm: str = "auto", encoder: str = "auto",
-                 fused_layers: bool = True, embed_rows: bool = True):
+                 fused_layers: bool = True):
         super().__init__(model, temperature)
         reason = lean_unsupported_reason(self.decoder)
         if reason is not None:
@@ -212,14 +212,6 @@ class LeanVerifier(VerifyPass):
         #: each layer as one call of the extension where it applies
         self.fused_layers = fused_layers
         dec = self.decoder
-        #: the pass's input rows in one call of the extension (:meth:`_embed`):
-        #: rowgemm products and a plain embedding (no quant-noise, input
-        #: projection or embedding layer norm)
-        self._embed_rows = (
-            embed_rows and self.gemm == "rowgemm" and rowgemm.embed_rows_available() and dec.quant_noise is None
-            and dec.project_in_dim is None and dec.layernorm_embedding is None
-            and (self.position_table is None or self.position_table.dtype == torch.float32)
-        )
         #: the encoder as fused C++ layers, else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
         if encoder not in ENCODER_IMPLS:
@@ -282,17 +274,6 @@ class LeanVerifier(VerifyPass):
         if self.lean_encoder is not None and self.use_fused and not self.model.encoder.training:
             return self.lean_encoder(net_input)
         return super().encode(net_input)
-
-    def _embed(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        """The base pass's input rows (fairseq's token embedding times its
-        scale, plus the position rows), in one call of the extension where
-        it applies (:func:`~fairseq_specdec.kernels.rowgemm.embed_rows`: the
-        same two float32 roundings); at inference only (dropout)."""
-        weight = self.decoder.embed_tokens.weight
-        if self._embed_rows and self.use_fused and not self.decoder.training and weight.dtype == torch.float32 \
-                and weight.device.type == "cpu":
-            return rowgemm.embed_rows(tokens, lengths, weight, self.decoder.embed_scale, self.position_table)
-        return super()._embed(tokens, lengths)
 
     def _project_out(self, x: Tensor) -> Tensor:
         if self.project_out is None:

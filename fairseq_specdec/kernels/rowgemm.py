@@ -234,21 +234,6 @@ def block_input(states: Tensor, tokens: Tensor, embed: Tensor, scale: float, fus
                             packed_bias(fuse), base.contiguous(), cuts.contiguous(), offsets.contiguous(), int(k))
 
 
-def embed_rows_available() -> bool:
-    """Whether the extension has the verify pass's input rows (an older build may not)."""
-    return _ext is not None and hasattr(_ext, "embed_rows")
-
-
-def embed_rows(tokens: Tensor, lengths: Tensor, embed: Tensor, scale: float, positions: Optional[Tensor]) -> Tensor:
-    """A verify pass's input rows in one call of the extension (``embed_rows``
-    in ``csrc/rowgemm.cpp``): ``scale * embed[tokens[b, j]]`` plus, where
-    ``positions`` (P x C) is given, its row ``min(lengths[b] + j, P - 1)``,
-    the two float32 roundings of fairseq's ``embed_scale * embed_tokens(x) +
-    positions``.  ``tokens``: B x m; ``lengths``: B.  Returns B x m x C."""
-    return _ext.embed_rows(tokens.contiguous(), lengths.contiguous(), embed.contiguous(), float(scale),
-                           None if positions is None else positions.contiguous())
-
-
 def strict_step_unavailable_reason() -> Optional[str]:
     """Why the extension's strict step cannot run here (None: it can).  It is
     plain C++ with no AVX2 code: it needs the extension, built with it."""
@@ -274,25 +259,6 @@ def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, dr
     *out, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(), lengths.contiguous(),
                                  drafted, int(pad), int(eos), int(min_len), int(max_len))
     return None if tie else tuple(out)
-
-
-#: whether the extension computes weight signatures (:class:`~fairseq_specdec.utils.projection.WeightsWatch`)
-SIGNATURES = _ext is not None and hasattr(_ext, "weights_signature")
-
-
-def weights_signature(weights: List[Tensor]) -> Optional[Tensor]:
-    """The signature of a list of weights that :class:`~fairseq_specdec.utils.projection.WeightsWatch`
-    compares (``csrc/watch.cpp``: each weight's address, version, dtype,
-    shape and 16 sampled elements), as an int64 tensor; None where the
-    extension is not built or a weight has none (not a contiguous CPU
-    tensor)."""
-    return _ext.weights_signature(weights) if SIGNATURES else None
-
-
-def same_signature(weights: List[Tensor], signature: Tensor) -> int:
-    """1: ``weights`` have ``signature`` (:func:`weights_signature`); 0: they
-    have another one; -1: a weight has none."""
-    return _ext.same_signature(weights, signature)
 
 
 def draft_pick_available() -> bool:

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import parts_off, rowgemm
 
 # [depth, epoch]: inside a scope when depth > 0; every entry starts a new epoch
 _SCOPE = [0, 0]
@@ -59,30 +58,16 @@ class WeightsWatch:
     """Tells whether any of a list of weights (on one device) changed since the
     last look: its storage, version, dtype, device, shape or 16 sampled values.
 
-    Where every weight is a contiguous CPU tensor, one call of the C++
-    extension computes and compares the whole list's signature
-    (:func:`~fairseq_specdec.kernels.rowgemm.weights_signature`; the same
-    items, the samples as raw bytes), and the watch keeps a view of each
-    weight it last saw, so that an equal address is the same storage.
-    Otherwise (a weight on a GPU or not contiguous, the extension not built)
-    the sampled values of a contiguous weight are read through a view of its
+    The sampled values of a contiguous weight are read through a view of its
     storage kept from the last look (the view keeps that storage alive too);
     all weights' values are then gathered by one ``torch.cat`` and compared
     with one ``torch.equal``: two tensor operations and one host read for
-    the whole list, however many weights it holds.  A list seen one way at
-    the last look and the other way now counts as changed."""
+    the whole list, however many weights it holds."""
 
-    def __init__(self, use_extension: bool = True):
+    def __init__(self):
         self._meta = None
         self._views = None
         self._values = None
-        #: the list's signature from the extension at the last look (None:
-        #: the last look compared with tensor operations)
-        self._signature: Optional[Tensor] = None
-        self._kept = None  # views of the weights of that look: their storages stay alive
-        #: compute signatures with the extension where it can (tests switch it
-        #: off; so does FAIRSEQ_SPECDEC_OFF=watch, for benchmarking)
-        self.use_extension = use_extension and rowgemm.SIGNATURES and "watch" not in parts_off()
         #: how many times the weights were seen changed (0: never looked)
         self.generation = 0
 
@@ -99,16 +84,6 @@ class WeightsWatch:
         """Whether ``weights`` differ from those of the last call (True at the
         first call); remembers them either way."""
         weights = list(weights)
-        if self.use_extension:
-            if self._signature is not None and rowgemm.same_signature(weights, self._signature) == 1:
-                return False
-            signature = rowgemm.weights_signature(weights)
-            if signature is not None:
-                self._signature, self._kept = signature, [w.detach() for w in weights]
-                self._meta = self._views = self._values = None
-                self.generation += 1
-                return True
-        self._signature = self._kept = None
         meta = self._meta_of(weights)
         if meta == self._meta and (not weights or torch.equal(self._read(weights), self._values)):
             return False

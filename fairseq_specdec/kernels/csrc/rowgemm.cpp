@@ -691,53 +691,6 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
   return out;
 }
 
-// The input rows of a verify pass: embed[tokens[b][j]] * scale, plus the
-// position row min(lengths[b] + j, P - 1) where a table is given, in that
-// order (fairseq's embed_scale * embed_tokens(tokens) + positions, in
-// float32, two roundings: never contracted into a fused multiply-add).
-// tokens: B x m (int64); lengths: B (int64); embed: V x C; positions: P x C
-// or none.  Returns B x m x C.
-__attribute__((optimize("fp-contract=off"))) torch::Tensor embed_rows(const torch::Tensor& tokens, const torch::Tensor& lengths, const torch::Tensor& embed,
-                         double scale, const c10::optional<torch::Tensor>& positions) {
-  auto is_f32 = [](const torch::Tensor& t) {
-    return t.dim() == 2 && t.scalar_type() == torch::kFloat && t.device().is_cpu() && t.is_contiguous();
-  };
-  TORCH_CHECK(is_f32(embed) && (!positions.has_value() || (is_f32(*positions) && positions->size(1) == embed.size(1) &&
-                                                          positions->size(0) > 0)),
-              "embed_rows: embed and positions must be contiguous float32 CPU tables of the same width");
-  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong && tokens.device().is_cpu() &&
-                  tokens.is_contiguous(),
-              "embed_rows: tokens must be a contiguous B x m int64 CPU tensor");
-  const int64_t B = tokens.size(0), m = tokens.size(1), V = embed.size(0), C = embed.size(1);
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == torch::kLong &&
-                  lengths.device().is_cpu() && lengths.is_contiguous(),
-              "embed_rows: lengths must be a contiguous int64 CPU vector of B");
-  auto out = torch::empty({B, m, C}, embed.options());
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const int64_t* len = lengths.data_ptr<int64_t>();
-  const float* em = embed.data_ptr<float>();
-  const float* pos = positions.has_value() ? positions->data_ptr<float>() : nullptr;
-  const int64_t P = positions.has_value() ? positions->size(0) : 0;
-  const float fscale = static_cast<float>(scale);
-  float* o = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t t = tok[b * m + j];
-      TORCH_CHECK(t >= 0 && t < V, "embed_rows: token ", t, " is outside the embedding of ", V);
-      const float* e = em + t * C;
-      float* row = o + (b * m + j) * C;
-      if (pos != nullptr) {
-        const int64_t at = std::min<int64_t>(std::max<int64_t>(len[b] + j, 0), P - 1);
-        const float* p = pos + at * C;
-        for (int64_t c = 0; c < C; ++c) row[c] = e[c] * fscale + p[c];
-      } else {
-        for (int64_t c = 0; c < C; ++c) row[c] = e[c] * fscale;
-      }
-    }
-  }
-  return out;
-}
-
 namespace {
 
 #ifdef ROWGEMM_X86
@@ -861,10 +814,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> str
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
     const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len);
 
-// csrc/watch.cpp: the signature of a list of weights
-at::Tensor weights_signature(const std::vector<at::Tensor>& weights);
-int64_t same_signature(const std::vector<at::Tensor>& weights, const at::Tensor& signature);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -880,10 +829,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_pick", &draft_pick,
         "a drafter's best type and its log-prob per row: output projection (packed, plus extra columns), bias, "
         "log-softmax, max");
-  m.def("embed_rows", &embed_rows, "a verify pass's input rows: scaled token embeddings plus position rows");
   m.def("strict_step", &strict_step,
         "the tail of a strict speculative iteration: fairseq's rules, running scores, greedy picks, acceptance");
-  m.def("weights_signature", &weights_signature,
-        "a list of CPU weights' addresses, versions, dtypes, shapes and sampled elements (None: a weight has none)");
-  m.def("same_signature", &same_signature, "1: the weights have this signature, 0: another, -1: a weight has none");
 }
