@@ -23,8 +23,10 @@ pytestmark = pytest.mark.slow  # the trained toy verifier and drafters
 
 
 def generator(model, drafter, d, graphs, k=4, **opts):
-    """``graphs``: the static choice (``static``: whole iterations eagerly; ``iteration``: as CUDA graphs)."""
-    return H.make_generator(model, drafter, d, k, static=graphs, **{**H.OPTION_SETS["default"], **opts})
+    """``graphs``: the static choice (``static``: whole iterations eagerly; ``iteration``: as CUDA graphs;
+    ``off``: the backend's own choice on this device, the lean pass on a CPU)."""
+    return H.make_generator(model, drafter, d, k, static=None if graphs == "off" else graphs,
+                            **{**H.OPTION_SETS["default"], **opts})
 
 
 def vsd_drafter(toy_bin, vsd_checkpoint, verifier_model):
