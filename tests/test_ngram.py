@@ -18,14 +18,14 @@ BOS = EOS = 2
 PAD = 1
 
 
-def fake_state(outputs, sources):
+def fake_state(outputs, sources, pad=PAD, bos=BOS):
     """The few DecodingState fields the drafter reads: tokens (BOS, output), lengths_host, net_input."""
     width = max(len(o) for o in outputs) + 2
-    tokens = torch.full((len(outputs), width), PAD, dtype=torch.long)
+    tokens = torch.full((len(outputs), width), pad, dtype=torch.long)
     for i, o in enumerate(outputs):
-        tokens[i, : len(o) + 1] = torch.tensor([BOS] + o)
+        tokens[i, : len(o) + 1] = torch.tensor([bos] + o)
     src_width = max(len(s) for s in sources)
-    src = torch.full((len(sources), src_width), PAD, dtype=torch.long)
+    src = torch.full((len(sources), src_width), pad, dtype=torch.long)
     for i, s in enumerate(sources):
         src[i, src_width - len(s):] = torch.tensor(s)  # left padded, as fairseq batches sources
     return types.SimpleNamespace(tokens=tokens, lengths_host=[len(o) for o in outputs],

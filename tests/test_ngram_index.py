@@ -62,19 +62,7 @@ def write_split(data, split, pairs):
         builder.finalize(prefix + ".idx")
 
 
-def fake_state(outputs, sources, pad, bos):
-    import types
-
-    width = max(len(o) for o in outputs) + 2
-    tokens = torch.full((len(outputs), width), pad, dtype=torch.long)
-    for i, o in enumerate(outputs):
-        tokens[i, : len(o) + 1] = torch.tensor([bos] + o)
-    src_width = max(len(s) for s in sources)
-    src = torch.full((len(sources), src_width), pad, dtype=torch.long)
-    for i, s in enumerate(sources):
-        src[i, src_width - len(s):] = torch.tensor(s)
-    return types.SimpleNamespace(tokens=tokens, lengths_host=[len(o) for o in outputs],
-                                 net_input={"src_tokens": src}, size=len(outputs))
+from test_ngram import fake_state  # noqa: E402  (the drafter state the ngram tests share)
 
 
 def test_saved_index_drafts_as_the_corpus_built_in_memory(toy_bin, tmp_path):
