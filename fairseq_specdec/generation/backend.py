@@ -33,7 +33,6 @@ differently from torch's BLAS (docs/verify-kernels.md, Exactness).  ``FAIRSEQ_SP
 switches single native parts off, for the benchmark only
 (:data:`fairseq_specdec.kernels.PARTS`, docs/benchmarking.md).
 """
-import logging
 from dataclasses import dataclass, field
 from typing import FrozenSet, Optional, Tuple
 
@@ -46,8 +45,6 @@ from .lean_verifier import LeanVerifier, lean_unsupported_reason
 from .static_verifier import StaticVerifier
 from .verifier import CachedVerifier
 from .verify_pass import VerifyPass
-
-logger = logging.getLogger(__name__)
 
 #: ``--specdec-backend`` choices
 BACKENDS = ("auto", "reference")

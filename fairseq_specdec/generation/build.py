@@ -252,8 +252,6 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     verifier, drafters = _split_models(task, models)
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
     temperature, unk_penalty = getattr(args, "temperature", 1.0), getattr(args, "unkpen", 0)
-    if temperature <= 0:
-        raise ValueError("--temperature must be greater than 0")
     backend = resolve_backend(str(getattr(cfg, "specdec_backend", "auto")), verifier, acceptance, temperature,
                               unk_penalty)
     built = decoding.build(DrafterContext(task, verifier, drafters, acceptance, backend))

@@ -9,9 +9,8 @@ through these; the models themselves never do.
 from functools import partial
 
 import torch
-from torch import Tensor
 
-from ..utils.projection import DerivedWeight, cached_linear as torch_cached_linear
+from ..utils.projection import DerivedWeight
 from . import applies_to
 from .rowgemm import PackedLinear
 
@@ -28,15 +27,3 @@ def packed_linear(module: torch.nn.Linear, precision: str = "float32"):
         cache = module.__dict__[name] = DerivedWeight(partial(PackedLinear, precision=precision))
     return cache.get(module.weight, module.bias)
 
-
-def cached_linear(module: torch.nn.Linear, x: Tensor, precision: str = "float32") -> Tensor:
-    """``module(x)`` at inference through its packed layout in ``precision``
-    where the kernel applies (float32 inputs and weights on a CPU that runs
-    it), else through a cached transpose
-    (:func:`~fairseq_specdec.utils.projection.cached_linear`).  For drafters,
-    whose rounding changes drafts, never a strict output."""
-    if not torch.is_grad_enabled() and not module.training and x.dtype == torch.float32:
-        packed = packed_linear(module, precision)
-        if packed is not None:
-            return packed(x)
-    return torch_cached_linear(module, x)
