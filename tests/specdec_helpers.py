@@ -430,11 +430,11 @@ class PairedPass:
         self.main.start()
         self.ref.start()
 
-    def forward(self, tokens, state, needed=None):
+    def forward(self, tokens, state, needed=None, tree=None):
         import torch
 
-        got = self.main.forward(tokens, state, needed)
-        want = self.ref.forward(tokens, state, needed)
+        got = self.main.forward(tokens, state, needed, tree)
+        want = self.ref.forward(tokens, state, needed, tree)
         assert got.shape == want.shape
         assert torch.equal(torch.isinf(got), torch.isinf(want))
         finite = torch.isfinite(want)
@@ -454,9 +454,9 @@ class PairedPass:
     def last_features(self):
         return self.main.last_features
 
-    def rollback(self, state, keep, keep_host):
-        self.main.rollback(state, keep, keep_host)
-        self.ref.rollback(state, keep, keep_host)
+    def rollback(self, state, keep, keep_host, path=None):
+        self.main.rollback(state, keep, keep_host, path)
+        self.ref.rollback(state, keep, keep_host, path)
 
     def reorder(self, state, new_order, new_order_host):
         self.ref.reorder(state, new_order, new_order_host)

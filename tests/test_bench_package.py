@@ -386,6 +386,10 @@ def test_roofline_command_reports_the_verify_pass_by_width():
         assert all(rows["ops"][m] > 10 for m in rows["ops"])  # every pass dispatches its operations
         assert set(rows["break_even_tok"]) == {"1", "2"}
     assert result["verify_ms"] == result["by_gemm"][result["default_gemm"]]["verify_ms"]
+    # the cost of a draft tree's pass, by its nodes (the root included)
+    assert {"1", "4", "8"} <= set(result["tree_ms"])
+    assert all(v > 0 for v in result["tree_ms"].values())
+    assert result["tree_ms"] == result["by_gemm"][result["default_gemm"]]["tree_ms"]
     assert result["machine"]["peak_gflops"] > 0 and result["machine"]["read_gbs"] > 0
     # the ideal products cost never falls as the width grows
     ideal = [result["ideal_products_ms"][m] for m in ("1", "2", "3")]

@@ -44,8 +44,8 @@ class SparePoisoningStatic(StaticVerifier):
     """After every pass, fills the bucket's spare rows and every cache
     position past each row's prefix with large finite garbage."""
 
-    def rollback(self, state, keep, keep_host):
-        super().rollback(state, keep, keep_host)
+    def rollback(self, state, keep, keep_host, path=None):
+        super().rollback(state, keep, keep_host, path)
         new_lengths = [n + k for n, k in zip(state.lengths_host, keep_host)]
         for store in (self.keys, self.values):
             for t in store:

@@ -23,8 +23,14 @@ weights), on ``--threads`` threads (default 1):
   ``verify_ms[k + 1] / verify_ms[1]`` tokens per iteration (drafter and loop
   costs not counted, so this is a lower bound).
 
+* the cost of verifying a draft tree of n nodes (the root, the newest
+  accepted token, included) in one pass, n in :data:`TREE_SIZES`: a binary
+  tree (node i's parent is node (i - 1) // 2), each node attending to its
+  ancestors only (the tree mask of the verify pass).
+
 ``--json`` prints one object, among others ``{"verify_ms": {"1": ..., "2":
-..., ...}}`` for the products ``--specdec-backend auto`` uses.
+..., ...}, "tree_ms": {"1": ..., "4": ..., "8": ...}}`` for the products
+``--specdec-backend auto`` uses.
 """
 import argparse
 import json
@@ -39,6 +45,21 @@ SHAPES = {
     "base": dict(layers=6, dim=512, ffn=2048, heads=8, vocab=32000),
     "big": dict(layers=6, dim=1024, ffn=4096, heads=16, vocab=32000),
 }
+
+
+#: the tree sizes (nodes, the root included) whose pass the roofline times
+TREE_SIZES = (1, 2, 4, 8, 16)
+
+
+def binary_tree(nodes: int, tokens):
+    """A draft tree of ``nodes`` slots (the root included) over ``tokens``'s
+    first ``nodes - 1`` columns: slot i's parent is slot (i - 1) // 2."""
+    import torch
+
+    from ..generation.tree import DraftTree
+
+    parents = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, nodes)]])
+    return DraftTree(tokens[:, 1:nodes], parents)
 
 
 def best_ms(fn: Callable[[], object], min_seconds: float = 0.2, rounds: int = 5) -> float:
@@ -157,9 +178,14 @@ class _PassBench:
         self.state.lengths_host = [prefix]
         self.tokens = torch.randint(4, vocab, (1, 64), generator=g)
 
-    def run(self, m: int):
+    def run(self, m: int, tree=None):
         # the state never moves: every pass writes scratch past the prefix
-        return self.verifier.forward(self.tokens[:, :m], self.state)
+        return self.verifier.forward(self.tokens[:, :m], self.state, tree=tree)
+
+    def run_tree(self, nodes: int):
+        """A pass over a :func:`binary_tree` of ``nodes`` slots (made anew
+        each time, as the loop makes each iteration's tree)."""
+        return self.run(nodes, binary_tree(nodes, self.tokens))
 
     def products(self, m: int) -> List[Callable[[], object]]:
         """The pass's matrix products with inputs of m rows, as callables."""
@@ -236,13 +262,18 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
     with torch.no_grad():
         for gemm in gemms:
             bench = _PassBench(model, gemm, prefix, src_len)
-            rows = {"verify_ms": {}, "products_ms": {}, "rest_ms": {}, "ops": {}}
+            rows = {"verify_ms": {}, "products_ms": {}, "rest_ms": {}, "ops": {}, "tree_ms": {}}
             fns = {}
             for m in ms_range:
                 calls = bench.products(m)
                 fns[("pass", m)] = lambda m=m: bench.run(m)
                 fns[("products", m)] = lambda calls=calls: [c() for c in calls]
+            for n in TREE_SIZES:
+                fns[("tree", n)] = lambda n=n: bench.run_tree(n)
             timed = interleaved_best_ms(fns, seconds)
+            for n in TREE_SIZES:
+                rows["tree_ms"][str(n)] = round(timed[("tree", n)], 4)
+            rows["tree_ratio_to_1"] = {k: round(v / rows["tree_ms"]["1"], 3) for k, v in rows["tree_ms"].items()}
             for m in ms_range:
                 total, products = timed[("pass", m)], timed[("products", m)]
                 rows["verify_ms"][str(m)] = round(total, 4)
@@ -255,8 +286,9 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
             # a draft of k tokens verifies k + 1: it must add this many tokens per iteration
             rows["break_even_tok"] = {str(k): round(rows["verify_ms"][str(k + 1)] / one, 3) for k in range(1, max_m)}
             result["by_gemm"][gemm] = rows
-    result["verify_ms"] = result["by_gemm"][default]["verify_ms"] if default in result["by_gemm"] else next(
-        iter(result["by_gemm"].values()))["verify_ms"]
+    chosen = result["by_gemm"][default] if default in result["by_gemm"] else next(iter(result["by_gemm"].values()))
+    result["verify_ms"] = chosen["verify_ms"]
+    result["tree_ms"] = chosen["tree_ms"]
     return result
 
 
@@ -284,6 +316,11 @@ def format_report(name: str, result: Dict) -> str:
     for gemm, rows in result["by_gemm"].items():
         tok = ", ".join(f"k={k}: {v:.2f}" for k, v in rows["break_even_tok"].items())
         lines.append(f"break-even Tok. ({gemm}; verify cost only, drafter and loop not counted): {tok}")
+    lines.append("")
+    for gemm, rows in result["by_gemm"].items():
+        tree = ", ".join(f"{n} nodes: {rows['tree_ms'][n]:.3f} ms ({rows['tree_ratio_to_1'][n]:.2f}x)"
+                         for n in rows["tree_ms"])
+        lines.append(f"draft-tree pass ({gemm}; binary tree, the root included): {tree}")
     return "\n".join(lines)
 
 

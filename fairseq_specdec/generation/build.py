@@ -12,6 +12,7 @@ from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
 from .acceptance import build_acceptance
 from .backend import resolve_backend
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
+from .combined import CombinedDrafter
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
@@ -106,6 +107,12 @@ def _split_models(task, models):
 
 
 def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    drafter, block_size, source = _model_drafter(ctx)
+    return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
+
+
+def _model_drafter(ctx: DrafterContext):
+    """The drafter checkpoint's drafter, its default k and where it came from."""
     task, verifier, drafters, acceptance = ctx.task, ctx.verifier, ctx.drafters, ctx.acceptance
     cfg = task.cfg
     if cfg.drafter_path and drafters:
@@ -127,7 +134,7 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
     need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
     drafter = drafter_for_model(model, verifier, need_scores, source, ctx.backend.drafting)
     block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
-    return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})")
+    return drafter, block_size, source
 
 
 def _no_drafter_model(ctx: DrafterContext, what: str) -> None:
@@ -167,12 +174,32 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
 
 def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts from a corpus (--ngram-split)")
+    drafter = _corpus_drafter(ctx)
+    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else NGRAM_BLOCK_SIZE
+    return BuiltDrafter(drafter, block_size, drafter.describe())
+
+
+def _corpus_drafter(ctx: DrafterContext) -> NgramDrafter:
     cfg, tgt = ctx.cfg, ctx.task.target_dictionary
     check_ngram_options(cfg.ngram_order, cfg.ngram_neighbours, cfg.ngram_min_confidence)
     corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order)
-    drafter = NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
-    block_size = cfg.block_size if cfg.block_size is not None else NGRAM_BLOCK_SIZE
-    return BuiltDrafter(drafter, block_size, drafter.describe())
+    return NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
+
+
+#: --draft-tree of ngram+draft-verify when it is not given (chosen on the valid split: docs/trees.md)
+COMBINED_TREE_NODES = 8
+
+
+def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    model_drafter, model_k, source = _model_drafter(ctx)
+    if not model_drafter.drafts_trees:
+        raise ValueError(f"--decoding ngram+draft-verify combines draft trees, and the drafter ({source}: "
+                         f"{model_drafter.describe()}) drafts chains only: give a specdec_vsd drafter")
+    ngram = _corpus_drafter(ctx)
+    tgt = ctx.task.target_dictionary
+    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else NGRAM_BLOCK_SIZE
+    drafter = CombinedDrafter(ngram, model_drafter, tgt.pad(), second_k=model_k)
+    return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})", tree_nodes=COMBINED_TREE_NODES)
 
 
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
@@ -212,6 +239,14 @@ BUILTIN_DECODINGS = (
         "(--ngram-split, e.g. the verifier's own distillation), preferring the sentences whose "
         "source is most like this one (retrieval: no drafter model)",
         _ngram_drafter, relaxed=False, bench_label="n-gram corpus",
+    ),
+    Decoding(
+        "ngram+draft-verify",
+        "draft trees from a corpus (as ngram) and, for the rows where the corpus is unsure, from a "
+        "specdec_vsd drafter checkpoint (--drafter-path), merged in one tree (--draft-tree, default "
+        f"{COMBINED_TREE_NODES} nodes)",
+        _combined_drafter, takes_drafter=True, relaxed=False, bench_model="verifier+drafter",
+        bench_label="n-gram + specdec_vsd tree",
     ),
     Decoding(
         "loop-greedy",
@@ -279,11 +314,13 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             min_confidence=cfg.draft_min_confidence,
             max_rows=draft_max_rows(getattr(cfg, "draft_max_rows", None), verifier),
         ),
+        tree_nodes=built.tree_nodes if getattr(cfg, "draft_tree", None) is None else cfg.draft_tree,
     )
     generator = SpeculativeGenerator(backend, built.drafter, acceptance, task.target_dictionary, settings, stats,
                                      task.sentence_counter)
+    tree = f", draft trees of {settings.tree_nodes} nodes" if settings.tree_nodes else ""
     logger.info(
-        f"{cfg.decoding} decoding: block size {built.block_size}, acceptance {acceptance!r}, "
+        f"{cfg.decoding} decoding: block size {built.block_size}{tree}, acceptance {acceptance!r}, "
         f"drafter {built.description}; {backend.describe()}"
     )
     return generator

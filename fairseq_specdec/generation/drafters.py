@@ -19,6 +19,12 @@ contract; a new drafting method is a new class here (and one entry in
   leave), given as a device tensor and as host ints; the state calls it from
   ``keep`` after it has reordered itself and the verifier.
 
+A drafter that can propose several continuations at once declares
+``drafts_trees = True`` and gives ``propose_tree(state, k, nodes) ->
+DraftTree``: at most ``nodes`` nodes at most ``k`` deep
+(:mod:`~fairseq_specdec.generation.tree`); the loop calls it instead of
+``propose`` where ``--draft-tree`` asks for trees.
+
 Drafters read the state; they never write it.  A drafter that can run
 inside a captured CUDA graph of a whole iteration says so:
 ``static_inputs() -> bool`` switches it, for good, to buffers whose shapes and
@@ -50,6 +56,7 @@ from ..models.protocol import (
 from ..kernels import rowgemm
 from ..utils.dictionary import joined_dictionaries
 from ..utils.projection import DerivedWeight, TransposedWeight, WeightsWatch
+from .tree import chain_tree, tree_from_candidates
 from .vsd_native import NativeBlockPass, native_block_pass_reason
 
 
@@ -84,6 +91,10 @@ class Drafter(ABC):
     #: most tokens one pass can draft (None: any); a larger --block-size is
     #: refused when the generator is built
     max_block: Optional[int] = None
+    #: whether :meth:`propose_tree` proposes draft trees (--draft-tree)
+    drafts_trees: bool = False
+    #: whether it drafts trees only (:meth:`propose` is not available)
+    trees_only: bool = False
 
     def default_block(self, trained: int) -> int:
         """k when --block-size is not given, for a drafter trained with
@@ -101,6 +112,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, state, k: int) -> Tuple[Tensor, Optional[Tensor]]:
         """B x k' drafts (k' <= k; pad: no draft) and their log-probs or None."""
+
+    def propose_tree(self, state, k: int, nodes: int):
+        """A :class:`~fairseq_specdec.generation.tree.DraftTree` of at most
+        ``nodes`` nodes, at most ``k`` deep, per row (drafters that declare
+        :attr:`drafts_trees`)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts chains only (drafts_trees is False)")
 
     def update(self, state, feedback) -> None:
         """Called after every verification pass (see the module docstring)."""
@@ -445,6 +462,19 @@ class ShortlistProjection:
             lprobs, best = torch.log_softmax(self(x).float(), dim=-1).max(dim=-1)
         return self.types(best), lprobs
 
+    def top(self, x: Tensor, count: int) -> Tuple[Tensor, Tensor]:
+        """The ``count`` best types (ids of the dictionary) and their
+        log-probabilities under the projection's softmax, best first, for each
+        row of ``x`` (``... x count``): a draft tree's candidates."""
+        logits = self(x).float()
+        lprobs, best = torch.log_softmax(logits, dim=-1).topk(min(count, logits.size(-1)), dim=-1)
+        return self.types(best), lprobs
+
+
+#: candidates per position a parallel drafter offers a draft tree (the
+#: tree keeps the --draft-tree most probable prefixes of their combinations)
+TREE_CANDIDATES = 4
+
 
 class BlockwiseHeadsDrafter(Drafter):
     """Blockwise parallel decoding (Stern et al. 2018): the k-1 heads of a
@@ -470,6 +500,7 @@ class BlockwiseHeadsDrafter(Drafter):
             size, len(dictionary), joined_dictionaries(model), (dictionary.pad(), dictionary.bos()), kernels
         )
         self.pending = None  # B x (k-1) drafts for the next iteration
+        self.pending_top = None  # their candidates for a draft tree: (types, log-probs), B x (k-1) x c
         self.w1 = self.b1 = self.w2 = self.b2 = None
 
     @property
@@ -485,7 +516,7 @@ class BlockwiseHeadsDrafter(Drafter):
         yield self, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
 
     def start_batch(self, state):
-        self.pending = None
+        self.pending = self.pending_top = None
         heads = self.model.heads
         num_heads, dim, hidden = heads.fc1.shape
         self.w1 = heads.fc1.detach().permute(1, 0, 2).reshape(dim, num_heads * hidden)
@@ -500,6 +531,11 @@ class BlockwiseHeadsDrafter(Drafter):
         hidden = torch.relu(torch.addmm(self.b1, x, self.w1)).view(bsz, num_heads, -1).transpose(0, 1)
         out = torch.baddbmm(self.b2, hidden, self.w2).transpose(0, 1) + x.unsqueeze(1)  # B x (k-1) x C
         p = self.projection
+        if self.trees:
+            types, lprobs = p.top(out.reshape(bsz * num_heads, -1), TREE_CANDIDATES)
+            self.pending_top = (types.view(bsz, num_heads, -1), lprobs.view(bsz, num_heads, -1))
+            self.pending = self.pending_top[0][:, :, 0]
+            return
         best = p(out.reshape(bsz * num_heads, -1)).argmax(-1).view(bsz, num_heads)
         self.pending = p.types(best)
 
@@ -508,9 +544,23 @@ class BlockwiseHeadsDrafter(Drafter):
             return state.tokens.new_zeros((state.size, 0)), None
         return self.pending[:, :k], None
 
+    #: the heads' candidates make draft trees (once the generator asks for them)
+    drafts_trees = True
+    #: whether update() keeps candidates for trees (set by the first propose_tree)
+    trees = False
+
+    def propose_tree(self, state, k, nodes):
+        self.trees = True
+        if self.pending_top is None:  # the first iteration (or the first since trees were asked for)
+            return chain_tree(state.tokens.new_zeros((state.size, 0)))
+        types, lprobs = self.pending_top
+        return tree_from_candidates(types[:, :k], lprobs[:, :k], nodes, self.model.decoder.dictionary.pad())
+
     def reorder(self, order, order_host):
         if self.pending is not None:
             self.pending = self.pending.index_select(0, order)
+        if self.pending_top is not None:
+            self.pending_top = tuple(t.index_select(0, order) for t in self.pending_top)
 
 
 class VerifierStateDrafter(Drafter):
@@ -632,7 +682,8 @@ class VerifierStateDrafter(Drafter):
         if need > size and size < most:
             self.memory["copy_base"] = self.model.position_table(self.memory, min(max(2 * size, need), most))
 
-    def propose(self, state, k):
+    def _block_states(self, state, k: int) -> Tensor:
+        """The drafter's B x k final states of one pass: one per drafted position."""
         if not self.static:
             self._cover(state, k)
         tokens = state.last_tokens().squeeze(1)
@@ -640,7 +691,16 @@ class VerifierStateDrafter(Drafter):
             states = self.native.block_states(self.memory, self.ctx_states, tokens, state.lengths, k)
         else:
             states = self.model.block_states(self.memory, self.ctx_states, tokens, state.lengths, None, k)
-        return self.projection.pick(states)
+        return states
+
+    def propose(self, state, k):
+        return self.projection.pick(self._block_states(state, k))
+
+    drafts_trees = True
+
+    def propose_tree(self, state, k, nodes):
+        types, lprobs = self.projection.top(self._block_states(state, k), TREE_CANDIDATES)
+        return tree_from_candidates(types, lprobs, nodes, self.model.padding_idx)
 
     #: the default draft length where the row-blocked kernel computes the
     #: passes: with the demo's drafter, drafts of 4-5 tokens added few

@@ -328,35 +328,41 @@ class LeanVerifier(VerifyPass):
                         store.append(t)
 
     # -- the pass ----------------------------------------------------------
-    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None, tree=None) -> Tensor:
         bsz, m = tokens.shape
         lengths_host = state.lengths_host
-        x = self._embed(tokens, state.lengths)
+        x = self._embed(tokens, state.lengths, None if tree is None else tree.depths)
 
         start = lengths_host[0]
-        uniform = all(n == start for n in lengths_host)
+        uniform = tree is None and all(n == start for n in lengths_host)
         width = max(lengths_host) + m
         self._prepare(state, width)
         if self.use_fused and all(lw.fused is not None for lw in self.layers):
             starts = torch.tensor(lengths_host, dtype=torch.long)
             pad = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
+            ancestors = None if tree is None else tree.ancestors.contiguous()
             x = x.float().contiguous()
             for i, lw in enumerate(self.layers):
-                x = lw.fused(x, starts, self.keys[i], self.values[i], self.cross[i], pad)
+                x = lw.fused(x, starts, self.keys[i], self.values[i], self.cross[i], pad, ancestors)
             return self._finish(x, needed)
         # which cache positions each new token sees: a row's own prefix and
-        # its inputs up to itself (additive mask, shared by every layer)
+        # its inputs up to itself (a tree: its ancestors and itself); an
+        # additive mask shared by every layer
         mask = None
         if uniform:
             if m > 1:
                 mask = self._causal_mask(x, m, start)
             rows = positions = None
         else:
-            last = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # B x m
+            last = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # B x m: each slot's cache position
             cols = torch.arange(width, device=tokens.device)
-            mask = x.new_zeros(bsz, 1, m, width).masked_fill_(
-                (cols.view(1, 1, -1) > last.unsqueeze(-1)).unsqueeze(1), -math.inf
-            )
+            hidden = cols.view(1, 1, -1) > last.unsqueeze(-1)  # B x m x width
+            if tree is not None:
+                rel = cols.unsqueeze(0) - state.lengths.unsqueeze(1)  # B x width: slot of a column, if in this pass
+                in_pass = (rel >= 0) & (rel < m)
+                seen = tree.ancestors.gather(2, rel.clamp(0, m - 1).unsqueeze(1).expand(bsz, m, width))
+                hidden = hidden | (in_pass.unsqueeze(1) & ~seen)
+            mask = x.new_zeros(bsz, 1, m, width).masked_fill_(hidden.unsqueeze(1), -math.inf)
             rows = torch.arange(bsz, device=tokens.device).unsqueeze(1)
             positions = last
 
@@ -403,8 +409,29 @@ class LeanVerifier(VerifyPass):
                 x = norm(x + sublayer(x))
         return x
 
-    def rollback(self, state, keep: Tensor, keep_host: List[int]) -> None:
-        """Nothing to undo: see the cache invariant."""
+    def rollback(self, state, keep: Tensor, keep_host: List[int], path: Optional[Tensor] = None) -> None:
+        """After a chain, nothing to undo: see the cache invariant.  After a
+        tree, the accepted path's entries are moved to where a chain would
+        have put them: slot ``path[r, j]``'s entry (at ``n_r + path[r, j]``)
+        to ``n_r + j``, for ``j < keep[r]``; every other entry of the pass
+        is scratch past the row's length."""
+        if path is None:
+            return
+        most = max(keep_host) if keep_host else 0
+        if most <= 1:
+            return  # slot 0 is in place
+        src = path[:, :most]
+        moved = src.ne(torch.arange(most, device=src.device)).any(1)  # rows whose path is not a chain
+        if not bool(moved.any()):
+            return
+        rows = moved.nonzero().squeeze(1)
+        base = state.lengths.index_select(0, rows).unsqueeze(1)
+        src = base + src.index_select(0, rows)
+        dst = base + torch.arange(most, device=src.device)
+        r = rows.unsqueeze(1)
+        for store in (self.keys, self.values):
+            for t in store:
+                t[r, :, dst] = t[r, :, src]  # the right side is gathered first: overlaps are safe
 
     def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
         if self.last_features is not None:

@@ -40,6 +40,7 @@ the verifier accepts the whole draft so far, stays at least
 the loop takes a plain greedy step, which costs less than verifying a draft
 that is likely rejected.
 """
+import heapq
 import logging
 import math
 import os
@@ -49,6 +50,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .drafters import Drafter, padded_drafts, row_tails
+from .tree import tree_from_paths
 from .ngram_index import (
     CONF_BITS, CONF_MAX, SplitSource, build_tables, context_keys_at as _context_keys, most_frequent as _most_frequent,
     open_index, table_values as _table_values,
@@ -272,6 +274,58 @@ class NgramDrafter(Drafter):
         contexts = row_tails(state, self.corpus.order)
         drafts = [self._draft(self._table(i), context, k) for i, context in enumerate(contexts)]
         return padded_drafts(drafts, self.pad, state.tokens), None
+
+    # -- draft trees ---------------------------------------------------------
+    drafts_trees = True
+
+    def _candidates(self, table: Dict[int, int], context: List[int]) -> List[tuple]:
+        """Every continuation the tables hold for ``context``, in the order a
+        chain's draft prefers them (the neighbours' longest context, the
+        corpus's full context, the neighbours' shorter ones, the corpus's last
+        token), each token once, with its confidence (a fraction)."""
+        order = self.corpus.order
+        lookup = self.corpus.lookup
+        keys = context_keys(context, order)
+        values = [table.get(keys[-1]), lookup(keys[-1])]
+        values += [table.get(keys[n - 1]) for n in range(order - 1, 0, -1)]
+        values.append(lookup(keys[0]))
+        seen: Dict[int, float] = {}
+        for value in values:
+            if value is not None:
+                seen.setdefault(value >> CONF_BITS, (value & CONF_MAX) / CONF_MAX)
+        return list(seen.items())
+
+    def tree_paths(self, state, k: int, nodes: int) -> List[List[tuple]]:
+        """Per row, the ``nodes`` most confident draft prefixes (a path's
+        confidence: the product of its tokens', as a chain's cut reads it),
+        found best first over every continuation the tables hold (the
+        competing continuations of each context: a trie of them), each at
+        least ``min_confidence``, at most ``k`` tokens, none after an EOS:
+        ``(tokens, confidence)`` pairs, parents first."""
+        contexts = row_tails(state, self.corpus.order)
+        floor = self.min_confidence
+        rows = []
+        for i, context in enumerate(contexts):
+            table = self._table(i)
+            heap = [(-1.0, 0, [])]
+            count = 1
+            out = []
+            while heap and len(out) < nodes:
+                negative, _, tokens = heapq.heappop(heap)
+                if tokens:
+                    out.append((tokens, -negative))
+                    if len(tokens) >= k or tokens[-1] == self.eos:
+                        continue
+                for token, sure in self._candidates(table, context + tokens):
+                    score = -negative * sure
+                    if score >= floor and score > 0:
+                        heapq.heappush(heap, (-score, count, tokens + [token]))
+                        count += 1
+            rows.append(out)
+        return rows
+
+    def propose_tree(self, state, k, nodes):
+        return tree_from_paths(self.tree_paths(state, k, nodes), nodes, self.pad, state.tokens)
 
     def reorder(self, order, order_host) -> None:
         self.sources = [self.sources[i] for i in order_host]

@@ -47,9 +47,13 @@ class DrafterContext:
 
 @dataclass
 class BuiltDrafter:
+    """A decoding's drafter, its default ``--block-size`` and its
+    description; ``tree_nodes``: its default ``--draft-tree`` (0: chains)."""
+
     drafter: object
     block_size: int
     description: str
+    tree_nodes: int = 0
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,8 @@ class DecodeSettings:
     (``--block-size``); ``max_len_a``/``max_len_b``/``min_len``/``lenpen``/
     ``unkpen``/``temperature``/``normalize_scores`` (``not --unnormalized``):
     fairseq's; ``draft_policy``: how many tokens each row drafts (default:
-    ``k`` for every row)."""
+    ``k`` for every row); ``tree_nodes``: draft trees of this many nodes,
+    at most k deep, instead of chains (0: chains)."""
 
     block_size: int
     max_len_a: float = 0
@@ -146,6 +147,8 @@ class DecodeSettings:
     unk_penalty: float = 0.0
     temperature: float = 1.0
     draft_policy: Optional[DraftLengthPolicy] = None
+    #: nodes per draft tree (``--draft-tree``; 0: the drafter's chain of k)
+    tree_nodes: int = 0
 
 
 def check_min_len(min_len: int, max_len_a: float, max_len_b: int, max_positions: int) -> None:
@@ -206,7 +209,18 @@ class SpeculativeGenerator:
         #: with ``static``, captured with ``iteration``), where the drafter can
         #: work on such buffers
         self.iteration_graphs = None
-        if backend.iteration in ("static", "iteration") and drafter.static_inputs():
+        #: nodes per draft tree (0: chains)
+        self.tree_nodes = settings.tree_nodes
+        if self.tree_nodes < 0:
+            raise ValueError(f"--draft-tree must be >= 0 (0 = chains), got {self.tree_nodes}")
+        if self.tree_nodes and not drafter.drafts_trees:
+            raise ValueError(f"--draft-tree {self.tree_nodes}: the drafter ({drafter.describe()}) drafts chains only; "
+                             "drop --draft-tree")
+        if not self.tree_nodes and drafter.trees_only:
+            raise ValueError(f"the drafter ({drafter.describe()}) drafts trees only: give --draft-tree N (N > 0)")
+        if self.tree_nodes and self.policy.adaptive:
+            raise ValueError("--draft-tree shapes each draft by the drafter's confidence: drop --adaptive-draft")
+        if backend.iteration in ("static", "iteration") and not self.tree_nodes and drafter.static_inputs():
             self.iteration_graphs = IterationGraphs(self.verifier.device, torch.float32,
                                                     graphs=backend.iteration == "iteration")
         self.acceptance = acceptance
@@ -236,9 +250,11 @@ class SpeculativeGenerator:
     def cuda(self):
         return self
 
-    def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int, always: bool = False) -> None:
+    def _mask_lprobs(self, lprobs: Tensor, state: DecodingState, max_len: int, always: bool = False,
+                     depths: Optional[Tensor] = None) -> None:
         """fairseq SequenceGenerator's per-step rules, in place.  Slot j of row r
-        predicts output index ``state.lengths[r] + j``.  The length rules are
+        predicts output index ``state.lengths[r] + j`` (in a draft tree,
+        ``state.lengths[r] + depths[r, j]``).  The length rules are
         applied where the host lengths say a slot can reach them, or
         ``always`` (a captured step, which reads no host length: where no slot
         reaches them they change nothing)."""
@@ -249,7 +265,8 @@ class SpeculativeGenerator:
             lprobs[:, :, self.unk] -= self.unk_penalty
         m = lprobs.size(1)
         if always or min(state.lengths_host) < self.min_len or max(state.lengths_host) + m - 1 >= max_len:
-            steps = state.lengths.unsqueeze(1) + torch.arange(m, device=lprobs.device)
+            offsets = torch.arange(m, device=lprobs.device) if depths is None else depths
+            steps = state.lengths.unsqueeze(1) + offsets
             lprobs[:, :, self.eos].masked_fill_(steps < self.min_len, -math.inf)
             at_limit = (steps >= max_len).unsqueeze(-1)
             lprobs[:, :, : self.eos].masked_fill_(at_limit, -math.inf)
@@ -354,6 +371,113 @@ class SpeculativeGenerator:
         return self._accept(state, lprobs, draft_tokens, draft_lprobs, drafted_host, max_len, host_checks,
                             always_mask) + (verifier.last_features,)
 
+    def _tree_step(self, state, k: int, max_len: int, host_checks: bool) -> tuple:
+        """Steps 1-3 of an iteration with a draft tree of at most
+        ``tree_nodes`` nodes and depth ``k``
+        (:class:`~fairseq_specdec.generation.tree.DraftTree`): the drafter's
+        tree, one verify pass over all its nodes, the acceptance rule walked
+        from the root.  Returns what :meth:`_step` returns, the features
+        gathered along each row's appended tokens (so that ``Feedback`` reads
+        as after a chain), then the B x (1 + D) ``path`` of slots the verify
+        pass's ``rollback`` keeps."""
+        tree = self.drafter.propose_tree(state, k, self.tree_nodes)
+        if tree.lprobs is not None and self.policy.needs_scores:  # the confidence cut, node by node
+            tree.tokens = tree.tokens.masked_fill(tree.lprobs < self.policy.log_min_confidence, self.pad)
+        if tree.size == 0:
+            return self._step(state, 0, max_len, host_checks) + (None,)
+        tokens = torch.cat([state.last_tokens(), tree.tokens], dim=1)
+        lprobs = self.verifier.forward(tokens, state, tree=tree)
+        out = None
+        if host_checks and self.fused_accept and lprobs.dtype == torch.float32 and lprobs.device.type == "cpu":
+            out = rowgemm.strict_step(lprobs, tree.tokens, state.cum, state.lengths, [], self.pad, self.eos,
+                                      self.min_len, max_len, tree.parents)
+            if out is None:
+                self.fused_ties += 1
+            else:
+                new_tokens, new_lprobs, n_new, cum, counts, path = out
+                width = tree.max_depth + 1  # a row appends at most this many tokens
+                counts[3] = tree.tokens.ne(self.pad).sum(1)
+                out = (new_tokens[:, :width], new_lprobs[:, :width], n_new, cum, counts, path[:, :width])
+        if out is None:
+            out = self._accept_tree(state, lprobs, tree, max_len, host_checks)
+        path = out[-1]
+        features = self.verifier.last_features
+        if features is not None:
+            features = features.gather(1, path.unsqueeze(-1).expand(-1, -1, features.size(-1)))
+        return out[:-1] + (features, path)
+
+    def _accept_tree(self, state, lprobs: Tensor, tree, max_len: int, host_checks: bool) -> tuple:
+        """Steps 2-3 after a tree's verify pass with tensor operations (what
+        the extension's ``strict_step`` computes under strict acceptance):
+        fairseq's rules at each slot's depth, the running score of each slot
+        along its root path, each slot's greedy token, the acceptance rule at
+        every node (its token against its parent's log-probs and greedy
+        token), the deepest root path of acceptable nodes (the first in slot
+        order), its tokens and the verifier's token after it.  Returns
+        ``(new_tokens, new_lprobs, n_new, cum, counts, path)``."""
+        depths = tree.depths
+        self._mask_lprobs(lprobs, state, max_len, depths=depths)
+        bsz, m, vocab = lprobs.shape
+        parents = tree.parents[:, 1:]
+        parent_lprobs = lprobs.gather(1, parents.unsqueeze(-1).expand(-1, -1, vocab))  # B x n x V
+        draft_vlp = parent_lprobs.gather(2, tree.tokens.unsqueeze(-1)).squeeze(-1)
+        running = self._tree_running(state.cum, draft_vlp, tree.parents, on_host=host_checks)  # B x m
+        greedy = self._greedy(lprobs + running.unsqueeze(-1))
+        ok = self.acceptance(tree.tokens, tree.lprobs, parent_lprobs, greedy.gather(1, parents))
+        bad = torch.cat([ok.new_zeros(bsz, 1), ~ok], dim=1)
+        reach = ~(tree.ancestors & bad.unsqueeze(1)).any(dim=2)  # no unacceptable node on the root path
+        chosen = torch.where(reach, depths, torch.full_like(depths, -1)).argmax(dim=1)  # the first deepest
+        rows = torch.arange(bsz, device=lprobs.device)
+        path = tree.paths[rows, chosen]  # B x (1 + D)
+        n_accepted = depths[rows, chosen]
+        path_tokens = torch.cat([state.last_tokens(), tree.tokens], dim=1).gather(1, path)
+        greedy_path = greedy.gather(1, path)
+        new_tokens = torch.cat([path_tokens[:, 1:], greedy_path[:, -1:]], dim=1)
+        at = n_accepted.unsqueeze(1)
+        new_tokens.scatter_(1, at, greedy_path.gather(1, at))
+        path_lprobs = lprobs.gather(1, path.unsqueeze(-1).expand(-1, -1, vocab))
+        new_lprobs = path_lprobs.gather(2, new_tokens.unsqueeze(-1)).squeeze(-1)
+        drafted = tree.tokens.ne(self.pad).sum(dim=1)
+        return self._appended(new_tokens, new_lprobs, running.gather(1, path), n_accepted, drafted) + (path,)
+
+    @staticmethod
+    def _tree_running(cum: Tensor, draft_vlp: Tensor, parents: Tensor, on_host: bool) -> Tensor:
+        """B x (1 + n) float32 running scores before each slot of a tree: the
+        parent's, plus the parent-slot log-prob of the node's token, one
+        float32 addition per node (SequenceGenerator's order along every root
+        path); ``on_host`` through numpy, as :meth:`_running_scores`."""
+        bsz, n = draft_vlp.shape
+        if on_host:
+            running = np.empty((bsz, n + 1), dtype=np.float32)
+            running[:, 0] = cum.cpu().numpy()
+            vlp = draft_vlp.cpu().numpy()
+            par = parents.cpu().numpy()
+            rows = np.arange(bsz)
+            for i in range(1, n + 1):
+                running[:, i] = running[rows, par[:, i]] + vlp[:, i - 1]
+            return torch.from_numpy(running).to(cum.device)
+        running = torch.empty((bsz, n + 1), dtype=torch.float32, device=cum.device)
+        running[:, 0] = cum
+        for i in range(1, n + 1):
+            torch.add(running.gather(1, parents[:, i : i + 1]).squeeze(1), draft_vlp[:, i - 1], out=running[:, i])
+        return running
+
+    def _appended(self, new_tokens: Tensor, new_lprobs: Tensor, running: Tensor, n_accepted: Tensor,
+                  drafted: Tensor) -> tuple:
+        """From a row's accepted drafts and the verifier's token after them
+        (``new_tokens``, their log-probs, the running score before each) to
+        ``(new_tokens, new_lprobs, n_new, cum, counts)``: output cut after
+        the first EOS, the running score after the last appended token."""
+        offsets = torch.arange(new_tokens.size(1), device=new_tokens.device)
+        at = n_accepted.unsqueeze(1)
+        is_eos = new_tokens.eq(self.eos) & (offsets.unsqueeze(0) <= at)
+        has_eos = is_eos.any(dim=1)
+        n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
+        last_new = (n_new - 1).unsqueeze(1)
+        cum = running.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
+        counts = torch.stack([n_new, has_eos.long(), n_accepted, drafted])
+        return new_tokens, new_lprobs, n_new, cum, counts
+
     def _accept(self, state, lprobs: Tensor, draft_tokens: Tensor, draft_lprobs: Optional[Tensor],
                 drafted_host: Optional[List[int]], max_len: int, host_checks: bool, always_mask: bool = False) -> tuple:
         """Steps 2-3 after the verify pass: fairseq's rules applied to the
@@ -370,7 +494,6 @@ class SpeculativeGenerator:
         self._mask_lprobs(lprobs, state, max_len, always_mask)
         if k == 0:  # one token per row: the same values as below, in fewer operations
             return self._greedy_step(state, lprobs)
-        offsets = torch.arange(k + 1, device=state.device)
         if drafted_host is not None:
             drafted = torch.tensor(drafted_host, device=state.device)
         else:
@@ -386,13 +509,7 @@ class SpeculativeGenerator:
         at = n_accepted.unsqueeze(1)
         new_tokens.scatter_(1, at, greedy.gather(1, at))
         new_lprobs = lprobs.gather(2, new_tokens.unsqueeze(-1)).squeeze(-1)
-        is_eos = new_tokens.eq(self.eos) & (offsets.unsqueeze(0) <= at)
-        has_eos = is_eos.any(dim=1)
-        n_new = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, n_accepted + 1)
-        last_new = (n_new - 1).unsqueeze(1)
-        cum = running_t.gather(1, last_new).squeeze(1) + new_lprobs.gather(1, last_new).squeeze(1)
-        counts = torch.stack([n_new, has_eos.long(), n_accepted, drafted])
-        return new_tokens, new_lprobs, n_new, cum, counts
+        return self._appended(new_tokens, new_lprobs, running_t, n_accepted, drafted)
 
     def _fused_tail(self, lprobs: Tensor, draft_tokens: Tensor, state, drafted: List[int], max_len: int) -> Optional[tuple]:
         """Steps 2-3 after the verify pass (fairseq's rules, greedy picks,
@@ -479,7 +596,10 @@ class SpeculativeGenerator:
 
         while state.size > 0:
             k = self._draft_width(state, max_len)
-            if iteration is not None:
+            path = None
+            if self.tree_nodes and k > 0:
+                *step, path = self._tree_step(state, k, max_len, host_checks)
+            elif iteration is not None:
                 # one captured step (drafter, verify pass, rules, acceptance) per shape
                 key = (k, max_len, verifier.rows, verifier.source, self.drafter.static_key())
                 step = iteration.run(state, key, lambda inputs: self._step(inputs, k, max_len, False, True))
@@ -489,7 +609,7 @@ class SpeculativeGenerator:
             n_new_host, done_host, accepted_host, drafted_host = counts.tolist()
 
             # 4. commit: cache, state, drafter feedback, draft lengths
-            verifier.rollback(state, n_new, n_new_host)
+            verifier.rollback(state, n_new, n_new_host, path)
             state.commit(new_tokens, new_lprobs, n_new, n_new_host, cum)
             self.drafter.update(state, Feedback(drafted_host, accepted_host, n_new, features))
             self.policy.update(state.draft_k, drafted_host, accepted_host)

@@ -155,13 +155,21 @@ class StaticVerifier(LeanVerifier):
             self._memory[key] = (cross, mask)
         return self._memory[key]
 
-    def _input_buffers(self, rows: int, m: int) -> Tuple[Tensor, Tensor]:
-        key = (rows, m)
+    def _input_buffers(self, rows: int, m: int, tree: bool = False) -> tuple:
+        """The pass's fixed inputs: tokens and lengths, and for a draft tree
+        its depths and ancestors."""
+        key = (rows, m, tree)
         if key not in self._inputs:
-            self._inputs[key] = (
+            buffers = (
                 torch.zeros(rows, m, dtype=torch.long, device=self.device),
                 torch.zeros(rows, dtype=torch.long, device=self.device),
             )
+            if tree:
+                buffers += (
+                    torch.zeros(rows, m, dtype=torch.long, device=self.device),
+                    torch.zeros(rows, m, m, dtype=torch.bool, device=self.device),
+                )
+            self._inputs[key] = buffers
         return self._inputs[key]
 
     def _point_at(self, rows: int, source: int) -> None:
@@ -193,16 +201,23 @@ class StaticVerifier(LeanVerifier):
         self._point_at(rows, source)
 
     # -- the pass ----------------------------------------------------------
-    def _pass(self, tokens: Tensor, lengths: Tensor) -> Tuple[Tensor, Tensor]:
+    def _pass(self, tokens: Tensor, lengths: Tensor, depths: Optional[Tensor] = None,
+              ancestors: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """Log-probs and final states of the bucket's rows; only static
-        buffers in, so that it can be captured."""
+        buffers in, so that it can be captured.  With ``depths`` and
+        ``ancestors`` the new tokens are a draft tree's slots (see
+        :meth:`~fairseq_specdec.generation.verify_pass.VerifyPass.forward`)."""
         rows, m = tokens.shape
-        x = self._embed(tokens, lengths)
+        x = self._embed(tokens, lengths, depths)
         positions = lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # rows x m
         cols = torch.arange(self.capacity, device=tokens.device)
-        mask = x.new_zeros(rows, 1, m, self.capacity).masked_fill_(
-            (cols.view(1, 1, -1) > positions.unsqueeze(-1)).unsqueeze(1), -math.inf
-        )
+        hidden = cols.view(1, 1, -1) > positions.unsqueeze(-1)
+        if ancestors is not None:
+            rel = cols.unsqueeze(0) - lengths.unsqueeze(1)
+            in_pass = (rel >= 0) & (rel < m)
+            seen = ancestors.gather(2, rel.clamp(0, m - 1).unsqueeze(1).expand(rows, m, self.capacity))
+            hidden = hidden | (in_pass.unsqueeze(1) & ~seen)
+        mask = x.new_zeros(rows, 1, m, self.capacity).masked_fill_(hidden.unsqueeze(1), -math.inf)
         index = torch.arange(rows, device=tokens.device).unsqueeze(1)
         for i, lw in enumerate(self.layers):
             x = self._layer(lw, i, x, mask, 0, self.capacity, index, positions)
@@ -217,12 +232,13 @@ class StaticVerifier(LeanVerifier):
         self._start_batch(state)
         self._replay = replay
 
-    def _run(self, tokens: Tensor, lengths: Tensor) -> Tuple[Tensor, Tensor]:
+    def _run(self, tokens: Tensor, lengths: Tensor, tree: tuple = ()) -> Tuple[Tensor, Tensor]:
         if not (self.graphs and self._replay):
-            return self._pass(tokens, lengths)
-        return self.graph_cache.run((self.rows, tokens.size(1), self.source), lambda: self._pass(tokens, lengths))
+            return self._pass(tokens, lengths, *tree)
+        key = (self.rows, tokens.size(1), self.source, bool(tree))
+        return self.graph_cache.run(key, lambda: self._pass(tokens, lengths, *tree))
 
-    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None, tree=None) -> Tensor:
         bsz, m = tokens.shape
         if self.rows == 0 and not self.dynamic:
             if self.max_rows is not None and bsz > self.max_rows:
@@ -230,12 +246,18 @@ class StaticVerifier(LeanVerifier):
             else:
                 self._start_batch(state)
         if self.dynamic:
-            return super().forward(tokens, state, needed)
-        inputs, lengths = self._input_buffers(self.rows, m)
+            return super().forward(tokens, state, needed, tree)
+        inputs, lengths, *tree_inputs = self._input_buffers(self.rows, m, tree is not None)
         inputs[:bsz].copy_(tokens)
         lengths.zero_()  # spare rows: length 0, inside the cache
         lengths[:bsz].copy_(state.lengths)
-        lprobs, features = self._run(inputs, lengths)
+        if tree is not None:  # spare rows: a chain (depth = slot, causal)
+            depths, ancestors = tree_inputs
+            depths.copy_(torch.arange(m, device=depths.device).expand_as(depths))
+            ancestors.copy_(torch.ones(m, m, dtype=torch.bool, device=ancestors.device).tril().expand_as(ancestors))
+            depths[:bsz].copy_(tree.depths)
+            ancestors[:bsz].copy_(tree.ancestors)
+        lprobs, features = self._run(inputs, lengths, tuple(tree_inputs))
         self.last_features = features[:bsz]
         lprobs = lprobs[:bsz]
         if needed is not None:  # as the lean pass: slots nobody reads are -inf

@@ -129,9 +129,11 @@ class VerifyPass:
         """A new batch: empty caches (subclasses empty theirs, then call this)."""
         self.last_features = None
 
-    def _embed(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+    def _embed(self, tokens: Tensor, lengths: Tensor, depths: Optional[Tensor] = None) -> Tensor:
         """B x m x C inputs of the new tokens, row r's first at index
-        ``lengths[r]`` (a device tensor: its row's absolute position)."""
+        ``lengths[r]`` (a device tensor: its row's absolute position), slot
+        j at ``lengths[r] + j``, or at ``lengths[r] + depths[r, j]`` for a
+        draft tree (B x m depths)."""
         dec = self.decoder
         x = dec.embed_scale * dec.embed_tokens(tokens)
         if dec.quant_noise is not None:
@@ -139,7 +141,8 @@ class VerifyPass:
         if dec.project_in_dim is not None:
             x = dec.project_in_dim(x)
         if self.position_table is not None:
-            index = lengths.unsqueeze(1) + torch.arange(tokens.size(1), device=tokens.device)
+            offsets = torch.arange(tokens.size(1), device=tokens.device) if depths is None else depths
+            index = lengths.unsqueeze(1) + offsets
             index = index.clamp_(max=self.position_table.size(0) - 1)
             x = x + self.position_table[index]
         if dec.layernorm_embedding is not None:
@@ -186,7 +189,7 @@ class VerifyPass:
         return self.model.get_normalized_probs((logits, None), log_probs=True)
 
     # -- the interface each implementation provides --------------------------
-    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None) -> Tensor:
+    def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None, tree=None) -> Tensor:
         """Log-probs (B x m x V, float) after each of the ``m`` new tokens.
 
         ``tokens[r, 0]`` is row r's newest accepted token and sits at index
@@ -194,15 +197,25 @@ class VerifyPass:
         appended to the cache; call :meth:`rollback` next.  ``needed`` (B x m
         bool, optional): the slots whose log-probs the caller reads; the
         others are not projected onto the vocabulary and read -inf (in a
-        ragged batch, the slots after a row's shorter draft).
+        ragged batch, the slots after a row's shorter draft).  ``tree`` (a
+        :class:`~fairseq_specdec.generation.tree.DraftTree` of ``m`` slots):
+        the new tokens are a draft tree, not a chain: slot j sits at index
+        ``state.lengths[r] + tree.depths[r, j]`` and attends to the committed
+        prefix and to its ancestors and itself among the new tokens
+        (``tree.ancestors``), so its log-probs are those of the verifier
+        decoding its root path alone.
         """
         raise NotImplementedError
 
-    def rollback(self, state, keep: Tensor, keep_host: List[int]) -> None:
-        """Keep the first ``keep[r]`` of the entries the last :meth:`forward`
-        appended for row r (the inputs that are now accepted, newest
-        excluded).  Called before ``state.commit`` of the same tokens, so
-        that afterwards the cache invariant holds for the committed state."""
+    def rollback(self, state, keep: Tensor, keep_host: List[int], path: Optional[Tensor] = None) -> None:
+        """Keep ``keep[r]`` of the entries the last :meth:`forward` appended
+        for row r (the inputs that are now accepted, newest excluded): the
+        first ``keep[r]`` of a chain, or, after a tree pass, those of slots
+        ``path[r, :keep[r]]`` (the accepted root path, B x (1 + D) slot
+        indices, ``path[r, 0] = 0``), placed as a chain would have placed
+        them.  Called before ``state.commit`` of the same tokens, so that
+        afterwards the cache invariant holds for the committed state: the
+        cache holds the accepted path's entries and no other branch's."""
         raise NotImplementedError
 
     def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:

@@ -142,24 +142,27 @@ class FusedDecoderLayer:
         self.normalize_before = bool(layer.normalize_before)
 
     def __call__(self, x: Tensor, starts: Tensor, keys: Tensor, values: Tensor, cross: tuple,
-                 enc_pad: Optional[Tensor]) -> Tensor:
+                 enc_pad: Optional[Tensor], tree: Optional[Tensor] = None) -> Tensor:
         """``x``: B x m x C; ``starts`` (B, int64): where each row's new
         tokens go in ``keys``/``values`` (B x heads x capacity x d, written in
         place); ``cross``: the encoder attention's (B * heads) x S x d keys
-        and values; ``enc_pad``: B x S, True at padding (or None)."""
+        and values; ``enc_pad``: B x S, True at padding (or None); ``tree``:
+        B x m x m bool, a draft tree's ancestors (input i attends to the
+        inputs ``tree[b, i]`` marks, not to every input before it)."""
         return fused_layer(x, self.weights, self.norms, self.eps, self.heads, self.scaling, self.c_heads,
-                           self.c_scaling, self.normalize_before, cross, enc_pad, starts, keys, values)
+                           self.c_scaling, self.normalize_before, cross, enc_pad, starts, keys, values, tree)
 
 
 def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
                 normalize_before: bool, cross: tuple, enc_pad: Optional[Tensor], starts: Optional[Tensor] = None,
-                keys: Optional[Tensor] = None, values: Optional[Tensor] = None) -> Tensor:
+                keys: Optional[Tensor] = None, values: Optional[Tensor] = None, tree: Optional[Tensor] = None) -> Tensor:
     """One call of the extension's ``decoder_layer``: ``weights`` are the
     :func:`packed_pairs` of six :class:`PackedLinear` (self-attention QKV and
     output, encoder-attention query and output, the two feed-forward
     products; the first feed-forward product is followed by ReLU), ``norms``
     three (weight, bias) pairs.  With ``keys``/``values`` (and ``starts``)
-    self-attention is causal over that cache (written in place); without,
+    self-attention is causal over that cache (written in place), or over a
+    draft tree's ancestors with ``tree`` (B x m x m bool); without,
     bidirectional over the rows of ``x`` (B x m x C)."""
     (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = weights
     (sl_w, sl_b), (cl_w, cl_b), (fl_w, fl_b) = norms
@@ -168,7 +171,7 @@ def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: floa
     return _ext.decoder_layer(
         x.contiguous(), starts, qkv_w, qkv_b, so_w, so_b, sl_w, sl_b, keys, values, heads, scaling,
         cq_w, cq_b, co_w, co_b, cl_w, cl_b, cross[0], cross[1], enc_pad, c_heads, c_scaling,
-        f1_w, f1_b, f2_w, f2_b, fl_w, fl_b, normalize_before, eps,
+        f1_w, f1_b, f2_w, f2_b, fl_w, fl_b, normalize_before, eps, tree,
     )
 
 
@@ -245,7 +248,7 @@ def strict_step_unavailable_reason() -> Optional[str]:
 
 
 def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, drafted: List[int], pad: int, eos: int,
-                min_len: int, max_len: int) -> Optional[tuple]:
+                min_len: int, max_len: int, parents: Optional[Tensor] = None) -> Optional[tuple]:
     """The tail of a strict speculative iteration in one call of the extension
     (``strict_step`` in ``csrc/step.cpp``, whose comment states the contract):
     from the verify pass's B x (k + 1) x V float32 log-probs (read, not
@@ -255,10 +258,19 @@ def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, dr
     under strict acceptance and no ``--unkpen``.  ``drafted``: each row's
     count of drafted tokens (empty: the accepted counts stand in).  None where
     a slot the rows read has a tie for its largest log-prob plus running
-    score: the tensor operations then decide it as fairseq's top-2 does."""
-    *out, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(), lengths.contiguous(),
-                                 drafted, int(pad), int(eos), int(min_len), int(max_len))
-    return None if tie else tuple(out)
+    score: the tensor operations then decide it as fairseq's top-2 does.
+
+    ``parents`` (B x (k + 1) int64): the drafts are a draft tree's nodes
+    (:class:`~fairseq_specdec.generation.tree.DraftTree`), not a chain; the
+    result then has a sixth member, B x (k + 1) ``path``: the slot each
+    appended token was picked at (the accepted root path, then the verifier's
+    slot)."""
+    *out, path, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(),
+                                       lengths.contiguous(), drafted, int(pad), int(eos), int(min_len), int(max_len),
+                                       None if parents is None else parents.contiguous())
+    if tie:
+        return None
+    return tuple(out) if parents is None else tuple(out) + (path,)
 
 
 def draft_pick_available() -> bool:

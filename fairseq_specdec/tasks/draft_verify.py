@@ -134,6 +134,16 @@ class DraftVerifyConfig(TranslationConfig):
             "elsewhere; the output does not change"
         },
     )
+    draft_tree: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "speculative decodings: draft a tree of this many nodes per row and iteration (several "
+            "continuations, verified in one pass; each node attends to its ancestors only) instead of one "
+            "chain of --block-size tokens; the tree is at most --block-size deep. Drafters that offer "
+            "candidates: draft-verify with a specdec_vsd drafter, blockwise, ngram, ngram+draft-verify "
+            "(0 = chains; default: chains, ngram+draft-verify 8 nodes); the output does not change"
+        },
+    )
     specdec_backend: SPECDEC_BACKEND_CHOICES = field(
         default="auto",
         metadata={
@@ -285,6 +295,7 @@ class DraftVerifyTask(TranslationTask):
         ("adaptive_draft", False),
         ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
         ("draft_max_rows", None),
+        ("draft_tree", None),
         ("block_size", None),
         ("specdec_backend", "auto"),
         ("specdec_stats", None),

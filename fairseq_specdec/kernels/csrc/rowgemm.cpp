@@ -437,12 +437,16 @@ struct Stream {
 
 // The self-attention sublayer over B groups of m rows.  With a cache (kc/vc:
 // B x H x cap x d), the m keys and values of group b are written at
-// [starts[b], starts[b] + m) and row i attends to positions 0 .. starts[b] + i;
-// without one, every row of a group attends to the group's m rows, except
-// those key_pad (B x m, true = padding; may be null) marks.
+// [starts[b], starts[b] + m) and row i attends to positions 0 .. starts[b] + i,
+// or, with ``tree`` (B x m x m, [b][i][j] true where input j is input i or
+// one of its ancestors in a draft tree), to 0 .. starts[b] - 1 and the
+// inputs j that tree marks for i; without a cache, every row of a group
+// attends to the group's m rows, except those key_pad (B x m, true =
+// padding; may be null) marks.
 void self_attention(Stream& s, int64_t B, int64_t m, const Packed& qkv, const Packed& out,
                     const torch::Tensor& ln_w, const torch::Tensor& ln_b, int64_t H, double scaling, float* kc,
-                    float* vc, int64_t cap, const std::vector<int64_t>& starts, const bool* key_pad) {
+                    float* vc, int64_t cap, const std::vector<int64_t>& starts, const bool* key_pad,
+                    const bool* tree = nullptr) {
   const int64_t C = s.C, d = C / H;
   const bool cached = kc != nullptr;
   float* tmp = s.tmp.data();
@@ -473,7 +477,11 @@ void self_attention(Stream& s, int64_t B, int64_t m, const Packed& qkv, const Pa
         const float* r = tmp + (b * m + i) * 3 * C + hh * d;
         for (int64_t t = 0; t < d; ++t) q[t] = r[t] * fscaling;
         const int64_t L = cached ? starts[b] + i + 1 : m;
-        for (int64_t j = 0; j < L; ++j) scores[j] = (pad != nullptr && pad[j]) ? ninf : dot(q.data(), kh + j * stride, d);
+        const bool* seen = tree != nullptr && cached ? tree + (b * m + i) * m - starts[b] : nullptr;
+        for (int64_t j = 0; j < L; ++j)
+          scores[j] = (pad != nullptr && pad[j]) || (seen != nullptr && j >= starts[b] && !seen[j])
+                          ? ninf
+                          : dot(q.data(), kh + j * stride, d);
         softmax_inplace(scores.data(), L);
         weighted_values(scores.data(), vh, L, stride, d, s.attn.data() + (b * m + i) * C + hh * d);
       }
@@ -503,8 +511,10 @@ int64_t checked_heads(int64_t heads, int64_t C, const char* what) {
 // in the lean verify pass, or a drafter's block layer.  x: B x m x C.  With
 // keys/values (B x heads x capacity x d), self-attention writes the m keys
 // and values at positions [starts[b], starts[b] + m) and row b's input i
-// attends to positions 0 .. starts[b] + i; without them it is bidirectional
-// over the m rows of each b (no cache).  Encoder
+// attends to positions 0 .. starts[b] + i (with ``tree``, B x m x m bool, the
+// positions before starts[b] and the inputs tree[b][i] marks: a draft tree's
+// ancestors); without them it is bidirectional over the m rows of each b
+// (no cache).  Encoder
 // attention reads cross_keys/cross_values ((B * Hc) x S x dc) with enc_pad
 // (B x S, true = padding; may be undefined).  Post-norm unless
 // normalize_before.  Returns the layer's output, B x m x C.
@@ -517,7 +527,8 @@ torch::Tensor decoder_layer(
     const torch::Tensor& ca_ln_w, const torch::Tensor& ca_ln_b, const torch::Tensor& cross_keys,
     const torch::Tensor& cross_values, const c10::optional<torch::Tensor>& enc_pad, int64_t c_heads, double c_scaling,
     const torch::Tensor& fc1_w, const torch::Tensor& fc1_b, const torch::Tensor& fc2_w, const torch::Tensor& fc2_b,
-    const torch::Tensor& final_ln_w, const torch::Tensor& final_ln_b, bool normalize_before, double eps) {
+    const torch::Tensor& final_ln_w, const torch::Tensor& final_ln_b, bool normalize_before, double eps,
+    const c10::optional<torch::Tensor>& tree_opt) {
   TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
   TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(),
               "decoder_layer: x must be a B x m x C float32 CPU tensor");
@@ -571,7 +582,16 @@ torch::Tensor decoder_layer(
 
   auto out = x_in.contiguous().clone();  // the residual stream, B*m x C
   Stream s(out.data_ptr<float>(), B * m, C, std::max<int64_t>(3 * C, F), normalize_before, eps);
-  self_attention(s, B, m, qkv, sa_out, sa_ln_w, sa_ln_b, H, scaling, kc, vc, cap, starts, nullptr);
+  const bool* tree = nullptr;
+  if (tree_opt.has_value() && tree_opt->defined()) {
+    const auto& t = *tree_opt;
+    TORCH_CHECK(cached, "decoder_layer: a draft tree needs the cache (keys and values)");
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == m && t.size(2) == m && t.is_contiguous() &&
+                    t.scalar_type() == torch::kBool && t.device().is_cpu(),
+                "decoder_layer: tree must be a contiguous bool B x m x m CPU tensor");
+    tree = t.data_ptr<bool>();
+  }
+  self_attention(s, B, m, qkv, sa_out, sa_ln_w, sa_ln_b, H, scaling, kc, vc, cap, starts, nullptr, tree);
 
   // encoder attention
   const float* in = s.input(ca_ln_w, ca_ln_b);
@@ -810,9 +830,10 @@ std::tuple<torch::Tensor, torch::Tensor> draft_pick(const torch::Tensor& states,
 }
 
 // csrc/step.cpp: the tail of a strict speculative iteration in one call
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
-    const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len);
+    const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len,
+    const c10::optional<at::Tensor>& parents);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
@@ -830,5 +851,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a drafter's best type and its log-prob per row: output projection (packed, plus extra columns), bias, "
         "log-softmax, max");
   m.def("strict_step", &strict_step,
-        "the tail of a strict speculative iteration: fairseq's rules, running scores, greedy picks, acceptance");
+        "the tail of a strict speculative iteration (a draft chain or tree): fairseq's rules, running scores, "
+        "greedy picks, acceptance");
 }

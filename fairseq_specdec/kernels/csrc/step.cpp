@@ -74,14 +74,21 @@ inline Pick pick(const float* row, int64_t V, float running, int64_t pad, int64_
 
 }  // namespace
 
-// lprobs: B x (k + 1) x V float32 (contiguous CPU); drafts: B x k int64;
-// cum: B float32; lengths: B int64; drafted: B counts (or empty: the
-// accepted counts stand in).  Returns (new_tokens B x (k + 1) int64,
-// new_lprobs B x (k + 1) float32, n_new B int64, cum B float32,
-// counts 4 x B int64 [n_new, finished, accepted, drafted], tie).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
+// lprobs: B x m x V float32 (contiguous CPU); drafts: B x (m - 1) int64 (the
+// tokens of slots 1 .. m - 1); cum: B float32; lengths: B int64; drafted: B
+// counts (or empty: the accepted counts stand in); parents: undefined for a
+// chain (slot j's parent is j - 1), or B x m int64, a draft tree's parent
+// slot of every slot (-1 at slot 0, parents[r][j] < j).  In a tree, slot j's
+// output step is lengths[r] + its depth, the running score before it adds
+// its ancestors' log-probs, and the walk from slot 0 moves to the first child
+// (in slot order) whose draft is the slot's greedy token.  Returns
+// (new_tokens B x m int64, new_lprobs B x m float32, n_new B int64, cum B
+// float32, counts 4 x B int64 [n_new, finished, accepted, drafted], path
+// B x m int64: the slot each appended token was picked at, tie).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
-    const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len) {
+    const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len,
+    const c10::optional<at::Tensor>& parents_opt) {
   TORCH_CHECK(lprobs.dim() == 3 && lprobs.scalar_type() == at::kFloat && lprobs.device().is_cpu() &&
                   lprobs.is_contiguous(),
               "strict_step: lprobs must be a contiguous B x m x V float32 CPU tensor");
@@ -99,6 +106,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> str
   TORCH_CHECK(drafted.empty() || static_cast<int64_t>(drafted.size()) == B,
               "strict_step: drafted must hold one count per row (or none)");
   TORCH_CHECK(pad >= 0 && pad < V && eos >= 0 && eos < V, "strict_step: pad and eos must be tokens of the vocabulary");
+  const int64_t* par = nullptr;
+  if (parents_opt.has_value() && parents_opt->defined()) {
+    const auto& p = *parents_opt;
+    TORCH_CHECK(p.dim() == 2 && p.size(0) == B && p.size(1) == m && p.scalar_type() == at::kLong && p.device().is_cpu() &&
+                    p.is_contiguous(),
+                "strict_step: parents must be a contiguous B x m int64 CPU tensor");
+    par = p.data_ptr<int64_t>();
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t j = 1; j < m; ++j)
+        TORCH_CHECK(par[r * m + j] >= 0 && par[r * m + j] < j, "strict_step: row ", r, " slot ", j,
+                    " has parent ", par[r * m + j], ": a tree's parents come before their children");
+  }
 
   auto long_opts = drafts.options();
   auto new_tokens = at::empty({B, m}, long_opts);
@@ -106,6 +125,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> str
   auto n_new = at::empty({B}, long_opts);
   auto cum_out = at::empty({B}, cum.options());
   auto counts = at::empty({4, B}, long_opts);
+  auto path_out = at::empty({B, m}, long_opts);
   const float* lp = lprobs.data_ptr<float>();
   const int64_t* dr = drafts.data_ptr<int64_t>();
   const float* cm = cum.data_ptr<float>();
@@ -115,28 +135,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> str
   int64_t* nn = n_new.data_ptr<int64_t>();
   float* co = cum_out.data_ptr<float>();
   int64_t* ct = counts.data_ptr<int64_t>();
-  std::vector<float> running(static_cast<size_t>(m));
+  int64_t* po = path_out.data_ptr<int64_t>();
+  std::vector<float> running(static_cast<size_t>(m));  // by depth, along the walked path
 
   for (int64_t r = 0; r < B; ++r) {
     const int64_t* draft = dr + r * k;
+    const int64_t* parent = par != nullptr ? par + r * m : nullptr;
     int64_t* tokens = nt + r * m;
     float* tok_lprobs = nl + r * m;
+    int64_t* path = po + r * m;
     running[0] = cm[r];
     int64_t accepted = 0;
-    for (int64_t j = 0; j <= k; ++j) {  // slot j, while the drafts before it are accepted
-      if (std::isnan(running[j])) return {new_tokens, new_lprobs, n_new, cum_out, counts, true};
+    int64_t slot = 0;
+    for (int64_t j = 0;; ++j) {  // depth j, slot ``slot``, while the drafts before it are accepted
+      if (std::isnan(running[j])) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
       const int64_t step = len[r] + j;
-      const Pick p = pick(lp + (r * m + j) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
-      if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, true};
+      const Pick p = pick(lp + (r * m + slot) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
+      if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
       tokens[j] = p.token;
       tok_lprobs[j] = p.lprob;
-      if (j == k || draft[j] != p.token) break;
+      path[j] = slot;
+      int64_t next = -1;
+      if (parent == nullptr) {
+        if (slot < k && draft[slot] == p.token) next = slot + 1;
+      } else {
+        for (int64_t c = slot + 1; c < m; ++c)
+          if (parent[c] == slot && draft[c - 1] == p.token) {
+            next = c;
+            break;
+          }
+      }
+      if (next < 0) break;
       running[j + 1] = running[j] + p.lprob;  // the draft's log-prob: it is the greedy token
+      slot = next;
       ++accepted;
     }
     for (int64_t j = accepted + 1; j < m; ++j) {  // scratch past the verifier's token
-      tokens[j] = j < k ? draft[j] : pad;
+      tokens[j] = parent == nullptr && j < k ? draft[j] : pad;
       tok_lprobs[j] = 0.0f;
+      path[j] = parent == nullptr ? j : slot;
     }
     int64_t added = accepted + 1;
     bool finished = false;
@@ -154,5 +191,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> str
     ct[2 * B + r] = accepted;
     ct[3 * B + r] = drafted.empty() ? accepted : drafted[r];
   }
-  return {new_tokens, new_lprobs, n_new, cum_out, counts, false};
+  return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, false};
 }

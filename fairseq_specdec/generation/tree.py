@@ -1,0 +1,278 @@
+"""Draft trees: several continuations verified in one pass.
+
+A draft tree of row ``r`` is a set of candidate continuations of the row's
+accepted output, merged on their common prefixes.  A verify pass of a tree
+has ``m = 1 + n`` input slots per row:
+
+* slot 0 is the row's newest accepted token (the root);
+* slot ``i`` (1 .. n) is a drafted token whose **parent** is slot
+  ``parents[r, i] < i`` (so slots are in topological order); it continues
+  the output ``root, ..., parent, token``;
+* a node's **depth** is its number of ancestors: the token at depth ``d``
+  sits at output index ``lengths[r] + d`` (its position), whatever its slot;
+* a pad token marks a slot the row does not use (rows of a batch share
+  ``m``, not their shapes); the verifier never picks pad, so such a node is
+  never accepted, and nor is anything under it.
+
+A chain of k drafts is the tree whose slot ``i`` has parent ``i - 1``.
+
+In the pass, slot ``i`` attends to the row's committed prefix and to its
+ancestors and itself among the pass's slots (:meth:`DraftTree.ancestors`):
+exactly the inputs the verifier would have seen had it decoded that path
+alone.  The acceptance rule walks the tree from the root and keeps the
+deepest root path all of whose nodes are acceptable (the first such path
+in slot order, where relaxed verification accepts more than one);
+:attr:`DraftTree.paths` lists every node's root path, so that the loop can
+gather the accepted path's tokens and the verify pass keep the accepted
+path's cache entries (``VerifyPass.rollback``'s ``path``).
+
+Builders (each drafter's tree ends up here):
+
+* :func:`chain_tree`: k drafts as a chain;
+* :func:`tree_from_candidates`: drafters that propose every position in
+  parallel (``specdec_vsd``, the blockwise heads) give their ``c`` best
+  tokens per position with log-probs; the tree is the ``n`` most probable
+  prefixes of their combinations (EAGLE-2's dynamic tree: a node's score is
+  its path's summed log-prob), per row, with tensor operations only;
+* :func:`tree_from_paths`: host-made candidate paths with scores (the
+  ``ngram`` drafter's continuations, several drafters combined), merged in a
+  trie and cut to the ``n`` best nodes.
+"""
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    """B rows of ``n`` drafted nodes each (see the module docstring).
+
+    ``tokens``: B x n (node i is slot i + 1; pad: unused); ``parents``:
+    B x (1 + n) int64, the parent slot of every slot (-1 for the root);
+    ``lprobs``: B x n drafter log-probs of the tokens, or None."""
+
+    tokens: Tensor
+    parents: Tensor
+    lprobs: Optional[Tensor] = None
+    _cache: Dict[str, Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def size(self) -> int:
+        """Drafted nodes per row (n)."""
+        return self.tokens.size(1)
+
+    @property
+    def slots(self) -> int:
+        """Input slots of the verify pass (1 + n)."""
+        return self.tokens.size(1) + 1
+
+    def _derive(self) -> None:
+        """Depths, ancestors and paths from the parents, on the host (a few
+        small numpy operations per slot cost less than tensor operations at
+        a tree's size), then on the parents' device."""
+        parents = self.parents.cpu().numpy()
+        bsz, m = parents.shape
+        rows = np.arange(bsz)
+        depths = np.zeros((bsz, m), dtype=np.int64)
+        ancestors = np.zeros((bsz, m, m), dtype=bool)
+        ancestors[:, 0, 0] = True
+        for i in range(1, m):  # parents come first: one pass in slot order
+            p = parents[:, i]
+            depths[:, i] = depths[rows, p] + 1
+            ancestors[:, i] = ancestors[rows, p]
+            ancestors[:, i, i] = True
+        most = int(depths.max()) if m > 0 else 0
+        # paths[r, s, d]: the ancestor of slot s at depth d (s itself past its depth)
+        paths = np.broadcast_to(np.arange(m).reshape(1, m, 1), (bsz, m, most + 1)).copy()
+        r_idx, s_idx, j_idx = np.nonzero(ancestors)
+        paths[r_idx, s_idx, depths[r_idx, j_idx]] = j_idx
+        device = self.parents.device
+        self._cache.update(
+            depths=torch.from_numpy(depths).to(device),
+            ancestors=torch.from_numpy(ancestors).to(device),
+            paths=torch.from_numpy(paths).to(device),
+        )
+
+    def _get(self, name: str) -> Tensor:
+        if name not in self._cache:
+            self._derive()
+        return self._cache[name]
+
+    @property
+    def depths(self) -> Tensor:
+        """B x (1 + n): every slot's depth (0 for the root)."""
+        return self._get("depths")
+
+    @property
+    def ancestors(self) -> Tensor:
+        """B x (1 + n) x (1 + n) bool: ``[r, i, j]`` when slot j is slot i
+        or one of its ancestors (what slot i attends to in the pass)."""
+        return self._get("ancestors")
+
+    @property
+    def paths(self) -> Tensor:
+        """B x (1 + n) x (1 + D) (D: the deepest node's depth): ``[r, s, d]``
+        is the slot of slot s's ancestor at depth d (slot s itself for
+        ``d >= depth(s)``)."""
+        return self._get("paths")
+
+    @property
+    def max_depth(self) -> int:
+        return self.paths.size(2) - 1
+
+    def is_chain(self) -> bool:
+        """Whether every row's slot i has parent i - 1."""
+        m = self.slots
+        chain = torch.arange(-1, m - 1, device=self.parents.device)
+        return bool(torch.equal(self.parents, chain.unsqueeze(0).expand_as(self.parents)))
+
+    def index_select(self, order: Tensor) -> "DraftTree":
+        return DraftTree(self.tokens.index_select(0, order), self.parents.index_select(0, order),
+                         None if self.lprobs is None else self.lprobs.index_select(0, order))
+
+
+def chain_tree(tokens: Tensor, lprobs: Optional[Tensor] = None) -> DraftTree:
+    """B x k drafts as a chain (slot i's parent: slot i - 1)."""
+    bsz, k = tokens.shape
+    parents = torch.arange(-1, k, device=tokens.device).unsqueeze(0).expand(bsz, -1)
+    return DraftTree(tokens, parents, lprobs)
+
+
+@lru_cache(maxsize=64)
+def _universe(depth: int, width: int, device: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Every rank combination of at most ``depth`` positions and ``width``
+    candidates per position, in order of depth, then rank: ``(choices U x
+    (depth * width) float, one-hot of the candidate each position takes),
+    ``parent`` (U, the index of the combination without its last position,
+    -1 at depth 1), ``rank_at`` (U x depth, the candidate rank of each
+    position, -1 past the depth)."""
+    combos: List[Tuple[int, ...]] = []
+    level: List[Tuple[int, ...]] = [()]
+    for _ in range(depth):
+        level = [c + (r,) for c in level for r in range(width)]
+        combos.extend(level)
+    index = {c: i for i, c in enumerate(combos)}
+    choices = torch.zeros(len(combos), depth * width)
+    parent = torch.full((len(combos),), -1, dtype=torch.long)
+    rank_at = torch.full((len(combos), depth), -1, dtype=torch.long)
+    for i, c in enumerate(combos):
+        for pos, r in enumerate(c):
+            choices[i, pos * width + r] = 1.0
+            rank_at[i, pos] = r
+        if len(c) > 1:
+            parent[i] = index[c[:-1]]
+    return choices.to(device), parent.to(device), rank_at.to(device)
+
+
+#: the most combinations tree_from_candidates scores per row
+UNIVERSE_LIMIT = 4096
+
+
+def tree_from_candidates(tokens: Tensor, lprobs: Tensor, nodes: int, pad: int) -> DraftTree:
+    """The tree of the ``nodes`` most probable draft prefixes, per row, of a
+    drafter that proposes every position at once: ``tokens`` / ``lprobs``
+    (B x k x c) are its ``c`` best tokens per position (best first) and their
+    log-probs; a prefix's score is the sum of its tokens' log-probs (the
+    drafter's probability of the whole prefix; a position's candidates do not
+    depend on the choices before it).  A prefix never scores above its
+    parent, so the best ``nodes`` form a tree (where equal scores leave a
+    node without its parent, the node is left as pad).  A pad candidate, or one after a drafted EOS, is
+    scored -inf and, if chosen, left as pad.  Tensor operations only (one
+    small product): no host read."""
+    bsz, k, width = tokens.shape
+    while k > 1 and sum(width ** d for d in range(1, k + 1)) > UNIVERSE_LIMIT:
+        k -= 1
+    tokens, lprobs = tokens[:, :k], lprobs[:, :k].float()
+    choices, parent, rank_at = _universe(k, width, str(tokens.device))
+    nodes = min(nodes, choices.size(0))
+    flat = lprobs.masked_fill(tokens.eq(pad), -float("inf")).reshape(bsz, k * width)
+    # sum of the chosen log-probs: a product with one-hot rows (-inf stays -inf where chosen)
+    finite = torch.nan_to_num(flat, neginf=-1e30)
+    score = finite @ choices.t()  # B x U
+    depth = (rank_at >= 0).sum(1)
+    chosen = score.topk(nodes, dim=1).indices.sort(dim=1).values  # B x n, in the universe's order
+    # each chosen combination's last position and rank: its token
+    last_pos = depth[chosen] - 1
+    last_rank = rank_at[chosen, last_pos]
+    node_tokens = tokens.reshape(bsz, k * width).gather(1, last_pos * width + last_rank)
+    node_lprobs = lprobs.reshape(bsz, k * width).gather(1, last_pos * width + last_rank)
+    # parents: the slot of the chosen parent combination (root slot 0 at depth 1)
+    slot_of = torch.zeros(bsz, choices.size(0) + 1, dtype=torch.long, device=tokens.device)  # last column: root
+    slot_of.scatter_(1, chosen, torch.arange(1, nodes + 1, device=tokens.device).expand(bsz, -1))
+    par = parent[chosen]
+    par = torch.where(par < 0, torch.full_like(par, choices.size(0)), par)
+    parent_slots = slot_of.gather(1, par)
+    # a chosen node whose parent was not chosen (only at -inf scores) hangs from the root, as pad
+    orphan = parent_slots.eq(0) & depth[chosen].gt(1)
+    bad = orphan | ~torch.isfinite(node_lprobs) | node_tokens.eq(pad)
+    node_tokens = node_tokens.masked_fill(bad, pad)
+    parent_slots = parent_slots.masked_fill(orphan, 0)
+    parents = torch.cat([torch.full((bsz, 1), -1, dtype=torch.long, device=tokens.device), parent_slots], 1)
+    return DraftTree(node_tokens, parents, node_lprobs)
+
+
+def tree_from_paths(rows: Sequence[Sequence[Tuple[Sequence[int], float]]], nodes: int, pad: int,
+                    like: Tensor) -> DraftTree:
+    """Host-made candidates, per row a list of ``(tokens, score)`` paths
+    (score: the estimated probability that the verifier accepts the whole
+    path, higher first), merged in a trie: a node's score is the largest
+    score of the paths through it (so never above its parent's); each row
+    keeps its ``nodes`` best nodes (ties: earlier paths first, then shallower).
+    Rows with fewer nodes are padded.  One tensor made from host lists."""
+    per_row: List[List[Tuple[int, int]]] = []  # (token, parent slot)
+    for paths in rows:
+        trie: Dict[Tuple[int, ...], float] = {}
+        first: Dict[Tuple[int, ...], int] = {}
+        for rank, (tokens, score) in enumerate(paths):
+            for d in range(1, len(tokens) + 1):
+                prefix = tuple(tokens[:d])
+                if trie.get(prefix, -1.0) < score:
+                    trie[prefix] = score
+                first.setdefault(prefix, rank)
+        best = sorted(trie, key=lambda p: (-trie[p], first[p], len(p)))[:nodes]
+        best.sort(key=lambda p: (len(p), first[p]))  # parents before children
+        slot = {(): 0}
+        row = []
+        for p in best:
+            if p[:-1] not in slot:  # its parent was cut (equal scores): drop it
+                continue
+            slot[p] = len(row) + 1
+            row.append((p[-1], slot[p[:-1]]))
+        per_row.append(row)
+    n = max((len(r) for r in per_row), default=0)
+    n = max(n, 1) if nodes > 0 else 0
+    tokens = [[t for t, _ in r] + [pad] * (n - len(r)) for r in per_row]
+    parents = [[-1] + [p for _, p in r] + [0] * (n - len(r)) for r in per_row]
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long).view(len(per_row), n).to(like.device),
+        torch.tensor(parents, dtype=torch.long).view(len(per_row), n + 1).to(like.device),
+    )
+
+
+def tree_paths(tree: DraftTree, pad: int) -> List[List[Tuple[List[int], float]]]:
+    """Per row, every node of ``tree`` as ``(tokens of its root path, the
+    probability of that path under the drafter's log-probs)``, in slot order
+    (parents first), pad nodes left out: what :func:`tree_from_paths` merges
+    with other drafters' paths.  One host read of the tree."""
+    import math
+
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    lprobs = tree.lprobs.tolist() if tree.lprobs is not None else None
+    rows = []
+    for r, row in enumerate(tokens):
+        seqs: Dict[int, Tuple[List[int], float]] = {0: ([], 0.0)}
+        out = []
+        for i, token in enumerate(row, start=1):
+            parent = seqs.get(parents[r][i])
+            if token == pad or parent is None:
+                continue
+            score = parent[1] + (lprobs[r][i - 1] if lprobs is not None else 0.0)
+            seqs[i] = (parent[0] + [token], score)
+            out.append((seqs[i][0], math.exp(score)))
+        rows.append(out)
+    return rows
