@@ -3,7 +3,8 @@ never among the default rows, a clear error naming the package when it is
 not installed, source and output tokens mapped through fairseq's
 dictionaries, fairseq's length rule; end to end (when ctranslate2 is
 installed): the toy verifier converted once, its greedy output identical to
-fairseq's --beam 1 at batch 1 and 4."""
+fairseq's --beam 1 at batch 1 and 4; the same translator as a row of
+scripts/interleave.py (--ct2), identical to the plugin's greedy loop there."""
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import specdec_helpers as H
-from fairseq_specdec.bench import cli, ct2, specs
+from fairseq_specdec.bench import cli, ct2, interleave, specs
 from fairseq_specdec.generation.registry import DECODINGS
 
 CT2_MISSING = "ctranslate2 is not installed (pip install ctranslate2): the optional CTranslate2 rows cannot run"
@@ -125,3 +126,71 @@ def test_ct2_rows_end_to_end(toy_bin, ar_checkpoint, tmp_path):
     assert [ref[i][1] for i in sorted(ref)] == hyp
     assert "| CTranslate2 greedy (float32) | 1 |" in (out / "results.md").read_text()
     assert "CTranslate2 greedy (int8)" in proc.stdout
+
+
+def interleave_args(toy_bin, verifier, *extra):
+    return ["--data", toy_bin, "--src", "src", "--tgt", "tgt", "--verifier", str(verifier),
+            "--row", "loop-greedy=--decoding loop-greedy", *map(str, extra)]
+
+
+def test_interleave_refuses_ct2_without_the_package_by_name(monkeypatch, toy_bin, tmp_path, capsys):
+    """--ct2 (--ct2-int8) without ctranslate2: a usage error naming the
+    package, before anything is loaded or converted."""
+    monkeypatch.setattr(ct2, "available", lambda: False)
+    verifier = tmp_path / "not-a-checkpoint.pt"  # never loaded: the refusal comes first
+    verifier.write_text("x")
+    for option in ("--ct2", "--ct2-int8"):
+        with pytest.raises(SystemExit) as stop:
+            interleave.main(interleave_args(toy_bin, verifier, option, "--ct2-dir", tmp_path / "ct2"))
+        err = capsys.readouterr().err
+        assert stop.value.code == 2
+        assert f"{option} needs the ctranslate2 package" in err and "pip install ctranslate2" in err, err
+    assert not (tmp_path / "ct2").exists()
+
+
+def test_interleave_refuses_a_ct2_dir_it_would_wipe(monkeypatch, toy_bin, tmp_path, capsys):
+    """The conversion replaces --ct2-dir: a directory with other files is
+    refused; --ct2-dir without a CTranslate2 row too; a --row may not take a
+    CTranslate2 row's name."""
+    monkeypatch.setattr(ct2, "available", lambda: True)
+    verifier = tmp_path / "ver.pt"
+    verifier.write_text("x")
+    kept = tmp_path / "precious"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("keep me")
+    for extra, message in (
+        (["--ct2", "--ct2-dir", kept], "not a new or empty directory"),
+        (["--ct2-dir", tmp_path / "ct2"], "--ct2-dir needs --ct2 or --ct2-int8"),
+        (["--ct2", "--row", "ctranslate2=--decoding loop-greedy"], "--ct2 adds the row ctranslate2"),
+    ):
+        with pytest.raises(SystemExit):
+            interleave.main(interleave_args(toy_bin, verifier, *extra))
+        assert message in capsys.readouterr().err, extra
+    assert (kept / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_interleave_ct2_row_is_identical_to_the_plugins_greedy_loop(toy_bin, ar_checkpoint, tmp_path, monkeypatch):
+    """scripts/interleave.py --ct2 --ct2-int8: the verifier converted once
+    into a temporary directory (removed at the end), the CTranslate2 rows
+    decode the same sentences as the loop-greedy row each round, float32
+    greedy identical to it on every sentence, no Tok."""
+    pytest.importorskip("ctranslate2", reason=CT2_MISSING)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    out = tmp_path / "interleave.json"
+    proc = H.run([H.cli("python"), H.ROOT / "scripts" / "interleave.py",
+                  *interleave_args(toy_bin, ar_checkpoint, "--limit", 8, "--rounds", 1, "--ct2", "--ct2-int8",
+                                   "--json", out)])
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert result["sentences"] == 8 and list(rows) == ["loop-greedy", "ctranslate2", "ctranslate2-int8"]
+    assert result["ctranslate2"]["model"] is None  # a temporary directory
+    row = rows["ctranslate2"]
+    assert row["identical"] == 8, row
+    assert row["tok"] is None and row["engine"] == "ctranslate2" and row["compute_type"] == "float32"
+    assert row["options"] == "--ct2" and len(row["rounds_ms"]) == 1 and row["ms_per_sentence"] > 0
+    assert rows["ctranslate2-int8"]["compute_type"] == "int8" and rows["ctranslate2-int8"]["ms_per_sentence"] > 0
+    assert "| ctranslate2 | " in proc.stdout and "| 8/8 | " in proc.stdout.split("| ctranslate2 | ")[1]
+    assert list(tmp.iterdir()) == []  # the converted model removed with its temporary directory

@@ -28,6 +28,10 @@ process, like every other row (:func:`run_ct2_worker`):
 
 The output tokens are mapped back to the target dictionary's ids, so
 "= beam 1" compares the same token strings as for every other row.
+
+``scripts/interleave.py --ct2`` (``--ct2-int8``) times the same translator,
+built by the same :func:`load_translator`, as one more row of an
+interleaved run (:mod:`fairseq_specdec.bench.interleave`).
 """
 import os
 import time
@@ -51,11 +55,12 @@ def available() -> bool:
     return True
 
 
-def require(kind: str) -> None:
-    """``ValueError`` naming the package when row kind ``kind`` cannot run."""
+def require(option: str) -> None:
+    """``ValueError`` naming the package when the option asking for a
+    CTranslate2 row (``"--rows ct2"``, ``"--ct2"``) cannot run."""
     if not available():
         raise ValueError(
-            f"--rows {kind} needs the ctranslate2 package, which is not installed "
+            f"{option} needs the ctranslate2 package, which is not installed "
             f"({PACKAGE_HINT}; it is optional, not a dependency of fairseq-specdec)"
         )
 
@@ -106,20 +111,30 @@ def max_length(cfg, src_len: int, max_target_positions: int) -> int:
     return max_output_length(gen.max_len_a, gen.max_len_b, src_len, max_target_positions)
 
 
-def run_ct2_worker(spec: Dict) -> Dict:
-    """Decode the test set with the CTranslate2 model ``spec["path"]``."""
+def load_translator(spec: Dict):
+    """The CTranslate2 model ``spec["path"]`` ready to decode the test set,
+    as :func:`fairseq_specdec.bench.loading.load_decoder` readies a fairseq
+    row: returns ``(task, batches, translate)``.  ``batches()`` yields the
+    same batches, in the same order, as every fairseq row of the spec's
+    batch size; ``translate(sample)`` decodes one of them greedily
+    (``translate_batch`` with ``beam_size=1``, ``max_batch_size`` the batch
+    size, fairseq's ``--beam 1`` length rules) and returns each sentence's
+    output token strings (:func:`target_ids` maps them to the target
+    dictionary).  The translator has one inter-op thread and
+    ``spec["threads"]`` intra-op threads, compute type
+    ``spec["compute_type"]``.  Used by the benchmark's worker
+    (:func:`run_ct2_worker`) and by ``scripts/interleave.py --ct2``."""
     import ctranslate2
 
     from .loading import batch_source, setup_task
-    from .timing import decoded_result, one_token_per_step, timed_batches, warm_up
 
     cfg, task = setup_task(spec)
     max_positions = task.max_positions()
     batches = batch_source(spec, task, cfg, max_positions)
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-    device = spec.get("device", "cpu")
+    src_dict = task.source_dictionary
     translator = ctranslate2.Translator(
-        spec["path"], device=device, compute_type=spec["compute_type"], inter_threads=1, intra_threads=spec["threads"],
+        spec["path"], device=spec.get("device", "cpu"), compute_type=spec["compute_type"], inter_threads=1,
+        intra_threads=spec["threads"],
     )
 
     def translate(sample) -> List[List[str]]:
@@ -131,6 +146,16 @@ def run_ct2_worker(spec: Dict) -> Dict:
         )
         return [r.hypotheses[0] for r in results]
 
+    return task, batches, translate
+
+
+def run_ct2_worker(spec: Dict) -> Dict:
+    """Decode the test set with the CTranslate2 model ``spec["path"]``."""
+    from .timing import decoded_result, one_token_per_step, timed_batches, warm_up
+
+    task, batches, translate = load_translator(spec)
+    tgt_dict = task.target_dictionary
+    device = spec.get("device", "cpu")
     warm_up(batches, translate, spec.get("warmup", 20))
     hyps, per_sentence_ms = {}, {}
     start = time.perf_counter()

@@ -12,21 +12,35 @@ decoded by the plugin's loop also reports its Tok. (output tokens, EOS
 included, per iteration, from the generator's statistics over one round);
 fairseq's own decoders leave the column empty.
 
+--ct2 adds the row "ctranslate2" (--ct2-int8: "ctranslate2-int8", weights
+quantized to int8 when loaded), after the --row rows: the verifier converted
+once to CTranslate2 (into --ct2-dir, by default a temporary directory removed
+at the end), decoding greedily the same sentences in the same batches as the
+other rows, timed the same way, its output mapped back to the target
+dictionary for the identity column (Tok. empty); it needs the optional
+ctranslate2 package (pip install ctranslate2) and is refused without it.
+
 Example (the `make demo` models)::
 
     scripts/interleave.py --data runs/multi30k.en-de/distill/bin \\
         --verifier runs/multi30k.en-de/verifier/checkpoint_best.pt --limit 400 --rounds 3 \\
         --row 'loop-greedy=--decoding loop-greedy' \\
-        --row 'blockwise=--path runs/multi30k.en-de/blockwise/checkpoint_best.pt --decoding blockwise'
+        --row 'blockwise=--path runs/multi30k.en-de/blockwise/checkpoint_best.pt --decoding blockwise' --ct2
 """
 import argparse
+import contextlib
 import json
 import logging
+import os
 import shlex
 import sys
+import tempfile
 import time
 import warnings
 from typing import Dict, List, Optional
+
+#: --ct2 option -> (row name, CTranslate2 compute type)
+CT2_ROWS = {"ct2": ("ctranslate2", "float32"), "ct2_int8": ("ctranslate2-int8", "int8")}
 
 
 def parse_row(text: str) -> Dict:
@@ -68,7 +82,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="rounds over every row (default 3); a row's time is its fastest")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--ct2", action="store_true",
+                   help="add the row 'ctranslate2': the verifier converted to CTranslate2, float32 greedy "
+                        "(needs the ctranslate2 package)")
+    p.add_argument("--ct2-int8", action="store_true",
+                   help="add the row 'ctranslate2-int8': the same model, weights quantized to int8 when loaded")
+    p.add_argument("--ct2-dir", default=None,
+                   help="where the converted verifier goes (a new or empty directory, or one converted before, "
+                        "which is replaced; kept); default a temporary directory removed at the end")
     return p
+
+
+def ct2_rows(args) -> List[Dict]:
+    """The CTranslate2 rows that ``--ct2`` and ``--ct2-int8`` ask for, in that order."""
+    return [{"name": name, "option": "--" + option.replace("_", "-"), "compute_type": compute}
+            for option, (name, compute) in CT2_ROWS.items() if getattr(args, option)]
+
+
+def check_ct2(parser, args, names: List[str]) -> List[Dict]:
+    """The CTranslate2 rows, refused (before anything is loaded) without the
+    ctranslate2 package, with a name that a --row has, or with a --ct2-dir
+    that holds something other than a converted model."""
+    rows = ct2_rows(args)
+    if not rows:
+        if args.ct2_dir:
+            parser.error("--ct2-dir needs --ct2 or --ct2-int8")
+        return rows
+    from . import ct2
+
+    try:
+        ct2.require(rows[0]["option"])
+    except ValueError as error:
+        parser.error(str(error))
+    for r in rows:
+        if r["name"] in names:
+            parser.error(f"{r['option']} adds the row {r['name']}: a --row has that name")
+    d = args.ct2_dir
+    if d and os.path.exists(d) and not (
+        os.path.isdir(d) and (not os.listdir(d) or os.path.isfile(os.path.join(d, "model.bin")))
+    ):
+        parser.error(f"--ct2-dir {d}: not a new or empty directory, nor a converted CTranslate2 model "
+                     "(the conversion replaces the directory)")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -85,40 +140,92 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < least:
             parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
-    import os
-
     for path in [args.verifier] + [r["path"] for r in rows if r["path"]]:
         if not os.path.isfile(path):
             parser.error(f"no such checkpoint: {path}")
     if not os.path.isdir(args.data):
         parser.error(f"--data {args.data}: no such directory")
+    extra_rows = check_ct2(parser, args, names)
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")  # hydra and torch deprecation notes, not results
+    with contextlib.ExitStack() as stack:
+        ct2_dir = args.ct2_dir
+        if extra_rows and not ct2_dir:  # a temporary directory, removed at the end
+            from .ct2 import model_dir
+
+            ct2_dir = model_dir(stack.enter_context(tempfile.TemporaryDirectory(prefix="interleave-ct2-")))
+        return interleave(args, rows, extra_rows, ct2_dir)
+
+
+def fairseq_row(args, row: Dict):
+    """``(decode, batches, generator)`` of a --row: ``decode(sample)`` is
+    each sentence's output tokens (ids, EOS last)."""
     from .loading import load_decoder
+
+    spec = dict(data=args.data, path=row["path"] or args.verifier, batch_size=args.batch_size, beam=1,
+                src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit, subset=args.subset,
+                extra=row["extra"])
+    task, models, generator, batches = load_decoder(spec)
+
+    def decode(sample) -> List[List[int]]:
+        return [h[0]["tokens"].tolist() for h in task.inference_step(generator, models, sample)]
+
+    return decode, batches, generator
+
+
+def translator_row(args, row: Dict, ct2_dir: str):
+    """``(decode, batches, None)`` of a CTranslate2 row: the converted
+    verifier in ``ct2_dir``, built as the benchmark's CTranslate2 rows are
+    (:func:`fairseq_specdec.bench.ct2.load_translator`); ``decode(sample)``
+    maps its output to target dictionary ids."""
+    from .ct2 import load_translator, target_ids
+
+    spec = dict(data=args.data, path=ct2_dir, batch_size=args.batch_size, beam=1, src=args.src, tgt=args.tgt,
+                threads=args.threads, limit=args.limit, subset=args.subset, extra=[],
+                compute_type=row["compute_type"])
+    task, batches, translate = load_translator(spec)
+    tgt_dict = task.target_dictionary
+
+    def decode(sample) -> List[List[int]]:
+        return [target_ids(tokens, tgt_dict) for tokens in translate(sample)]
+
+    return decode, batches, None
+
+
+def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional[str]) -> int:
+    """Load every row (the --row rows, then the CTranslate2 rows), time them
+    in turn for ``args.rounds`` rounds, print the table."""
     from .timing import reset_statistics
 
+    if extra_rows:
+        from .ct2 import convert
+
+        convert(args.verifier, args.data, args.src, args.tgt, ct2_dir)
+        print(f"converted the verifier to CTranslate2 into {ct2_dir}", file=sys.stderr, flush=True)
+
     loaded = []
-    for row in rows:
-        spec = dict(data=args.data, path=row["path"] or args.verifier, batch_size=args.batch_size, beam=1,
-                    src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit, subset=args.subset,
-                    extra=row["extra"])
-        task, models, generator, batches = load_decoder(spec)
-        loaded.append((row, task, models, generator, list(batches())))
+    for row in rows + extra_rows:
+        if "compute_type" in row:
+            decode, batches, generator = translator_row(args, row, ct2_dir)
+        else:
+            decode, batches, generator = fairseq_row(args, row)
+        loaded.append((row, decode, generator, list(batches())))
         print(f"loaded {row['name']}", file=sys.stderr, flush=True)
 
-    times: Dict[str, List[float]] = {r["name"]: [] for r in rows}
+    times: Dict[str, List[float]] = {r["name"]: [] for r in rows + extra_rows}
     tok: Dict[str, Optional[float]] = {}
     outputs: Dict[str, Dict[int, List[int]]] = {}
     for round_ in range(args.rounds):
-        for row, task, models, generator, data in loaded:
+        for row, decode, generator, data in loaded:
             hyps, sentences = {}, 0
-            reset_statistics(generator)  # the plugin's loop: Tok. of this round only
+            if generator is not None:
+                reset_statistics(generator)  # the plugin's loop: Tok. of this round only
             t0 = time.perf_counter()
             for sample in data:
-                out = task.inference_step(generator, models, sample)
-                for sid, h in zip(sample["id"].tolist(), out):
-                    hyps[sid] = h[0]["tokens"].tolist()
+                out = decode(sample)
+                for sid, tokens in zip(sample["id"].tolist(), out):
+                    hyps[sid] = tokens
                 sentences += len(out)
             times[row["name"]].append((time.perf_counter() - t0) / max(1, sentences) * 1e3)
             stats = getattr(generator, "stats", None)
@@ -130,13 +237,23 @@ def main(argv=None) -> int:
     base = min(times[first])
     result = {"sentences": len(outputs[first]), "batch_size": args.batch_size, "rounds": args.rounds,
               "threads": args.threads, "rows": []}
+    if extra_rows:
+        import ctranslate2
+
+        result["ctranslate2"] = {"version": ctranslate2.__version__, "model": args.ct2_dir}
     lines = [f"| decoder | ms/sentence | vs {first} | Tok. | identical to {first} | rounds (ms/sentence) |",
              "|---|---|---|---|---|---|"]
-    for row in rows:
+    for row in rows + extra_rows:
         name = row["name"]
         best = min(times[name])
-        same = sum(outputs[name][i] == outputs[first][i] for i in outputs[first])
-        result["rows"].append({"name": name, "options": " ".join(([f"--path {row['path']}"] if row["path"] else []) + row["extra"]),
+        same = sum(outputs[name].get(i) == outputs[first][i] for i in outputs[first])
+        if "compute_type" in row:
+            options = row["option"]
+            described = {"engine": "ctranslate2", "compute_type": row["compute_type"]}
+        else:
+            options = " ".join(([f"--path {row['path']}"] if row["path"] else []) + row["extra"])
+            described = {}
+        result["rows"].append({"name": name, "options": options, **described,
                                "ms_per_sentence": round(best, 3), "speedup": round(base / best, 3),
                                "tok": None if tok.get(name) is None else round(tok[name], 3),
                                "identical": same, "rounds_ms": [round(t, 3) for t in times[name]]})

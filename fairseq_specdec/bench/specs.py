@@ -167,7 +167,7 @@ def resolve_rows(value: str, decodings: Mapping, drafters: Sequence[DrafterArg],
         raise ValueError("--rows must include beam5 and beam1 (every speedup is a ratio to them)")
     for kind in wanted:
         if kind in ct2.COMPUTE_TYPES:
-            ct2.require(kind)
+            ct2.require(f"--rows {kind}")
             continue
         model = "verifier+drafter" if kind in ("strict", "relaxed") else _bench_model(decodings, kind)
         if model == "verifier+drafter" and not drafters:
