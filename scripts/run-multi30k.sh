@@ -141,6 +141,9 @@ stage_benchmark() {
   local raw; raw=$(raw_multi30k)
   local BENCH_DIR=${BENCH_DIR:-$OUT/benchmark}
   local rows=beam5,beam1,loop-greedy,ngram,strict drafters=() relaxed=()
+  # draft trees: nodes per tree of the specdec_vsd drafter's tree rows, and the ngram tree row
+  local TREE_NODES=${TREE_NODES:-5}
+  local trees=(--variant "tree:ngram=--draft-tree $TREE_NODES --ngram-min-confidence 0.15")
   # BENCH_RELAXED_BATCH_SIZES=none: no relaxed rows
   if [ "$BENCH_RELAXED_BATCH_SIZES" != none ]; then
     rows=$rows,relaxed relaxed=(--relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES")
@@ -151,6 +154,10 @@ stage_benchmark() {
   esac
   if [[ " ${BENCH_DRAFTERS:-paper vsd} " == *" vsd "* ]] && have "$OUT/vsd/checkpoint_last.pt"; then
     drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")  # the default drafter
+    # the same drafter's draft trees (docs/trees.md), and the corpus and the drafter in one tree
+    drafters+=(--drafter "vsd-tree=$OUT/vsd/checkpoint_last.pt"
+               --drafter-options "vsd-tree=--draft-tree $TREE_NODES --draft-min-confidence 0")
+    rows=$rows,ngram+draft-verify:vsd
     if [ "${BENCH_DIAGNOSTIC:-0}" = 1 ]; then
       # diagnostic: the same drafter with a fixed k and no confidence cut
       drafters+=(--drafter "vsd-fixed=$OUT/vsd/checkpoint_last.pt" --drafter-options "vsd-fixed=--draft-min-confidence 0")
@@ -173,7 +180,7 @@ stage_benchmark() {
     --verifier "$OUT/verifier/checkpoint_best.pt" "${drafters[@]}" --rows "$rows" --device "${BENCH_DEVICE:-cpu}" \
     --raw-ref "$raw/test_2016_flickr.$TGT.gz" --tok-ref "$DATA/tok/test_2016_flickr.$TGT" \
     --out "$BENCH_DIR" --jobs "$BENCH_JOBS" --batch-sizes "${BENCH_BATCH_SIZES:-1,32}" \
-    "${relaxed[@]}" ${BENCH_ARGS:-}
+    "${relaxed[@]}" "${trees[@]}" ${BENCH_ARGS:-}
   # what a verify pass of m tokens costs on this CPU, against its ideal: the
   # answer to "when does speculation pay here" (docs/verify-kernels.md)
   local roofline=1; [ "${BENCH_DEVICE:-cpu}" = cpu ] || roofline=0

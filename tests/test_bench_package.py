@@ -81,6 +81,23 @@ def test_rows_of_every_registered_decoding():
         specs.resolve_rows("beam5,beam1,paired", decodings, [], "bw.pt")
 
 
+def test_a_kind_can_be_limited_to_some_drafters():
+    """KIND:LABEL+LABEL: the kind's rows for those --drafter labels only (a
+    decoding that needs a tree drafter gets no row with a chain-only one)."""
+    decodings = {"paired": Decoding(name="paired", help="", build=None, bench_model="verifier+drafter")}
+    build = builder(drafters=("a", "b", "c"), decodings=decodings)
+    wanted = specs.resolve_rows("beam5,beam1,paired:b,strict:a+c", decodings, build.drafters, None)
+    assert wanted == ["beam5", "beam1", "paired:b", "strict:a+c"]
+    rows = {r["name"]: r for r in build.main_rows(wanted, [1], [1], [])}
+    assert set(rows) == {"beam5@bs1", "beam1@bs1", "paired-b@bs1", "strict-a@bs1", "strict-c@bs1"}
+    assert rows["paired-b@bs1"]["kind"] == "paired:b"
+    assert [d.label for d in build.drafters] == ["a", "b", "c"]  # the builder keeps every drafter
+    with pytest.raises(ValueError, match="--rows paired:z: no --drafter LABEL=PATH with the label 'z'"):
+        specs.resolve_rows("beam5,beam1,paired:z", decodings, build.drafters, None)
+    with pytest.raises(ValueError, match="unknown --rows"):
+        specs.resolve_rows("beam5,beam1,nosuch:a", decodings, build.drafters, None)
+
+
 def test_registry_rows_of_the_plugin():
     """The plugin's own decodings are rows, built from their registry entries."""
     assert {"draft-verify", "input-guided", "blockwise"} <= set(specs.row_kinds(DECODINGS))

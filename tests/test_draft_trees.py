@@ -67,6 +67,34 @@ def test_tree_from_candidates_keeps_the_most_probable_prefixes():
     assert (tree.parents[0, 1:] < torch.arange(1, tree.slots)).all()
 
 
+def node_set(tree, row=0, pad=None):
+    """The token sequences of a tree's root paths (pad nodes left out)."""
+    out = set()
+    for s in range(1, tree.slots):
+        if pad is not None and int(tree.tokens[row, s - 1]) == pad:
+            continue
+        path = tree.paths[row, s][: int(tree.depths[row, s]) + 1].tolist()
+        out.add(tuple(int(tree.tokens[row, p - 1]) for p in path[1:]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_and_tensor_trees_from_candidates_agree(seed):
+    """The host search (a CPU's) and the tensor operations (a GPU's) keep the same prefixes."""
+    from fairseq_specdec.generation.tree import tree_from_candidate_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    # distinct candidates at each position, as a top-k gives them
+    tokens = torch.stack([torch.randperm(45, generator=g)[:3] + 5 for _ in range(12)]).view(3, 4, 3)
+    lprobs = torch.randn(3, 4, 3, generator=g).sort(dim=-1, descending=True).values.log_softmax(-1)
+    for nodes in (1, 4, 9):
+        host = tree_from_candidates(tokens, lprobs, nodes, pad=0)
+        tensors = tree_from_candidate_tensors(tokens, lprobs, nodes, pad=0)
+        for row in range(3):
+            assert node_set(host, row, 0) == node_set(tensors, row, 0)
+            assert len(node_set(host, row, 0)) == nodes
+
+
 def test_tree_from_candidates_never_drafts_pad():
     tokens = torch.tensor([[[0, 2], [3, 4]]])  # the best first candidate is pad
     lprobs = torch.tensor([[[0.9, 0.05], [0.5, 0.4]]]).log()
@@ -330,7 +358,7 @@ def test_combined_decoding_drafts_trees_by_default_and_refuses_chains(toy_bin, a
     proc = H.generate(toy_bin, ar_checkpoint, "--decoding", "ngram+draft-verify", "--drafter-path", vsd_checkpoint,
                       task="draft_verify", batch_size=1)
     H.assert_same_hypotheses(beam1_cli(1), H.parse_generate(proc.stdout))
-    assert "draft trees of 8 nodes" in proc.stdout + proc.stderr
+    assert "draft trees of 5 nodes" in proc.stdout + proc.stderr
     for extra, message in ((["--drafter-path", vsd_checkpoint, "--draft-tree", "0"], "drafts trees only: give --draft-tree N"),
                            (["--drafter-path", nat_checkpoint], "drafts chains only: give a specdec_vsd drafter")):
         proc = H.generate(toy_bin, ar_checkpoint, "--decoding", "ngram+draft-verify", *extra, task="draft_verify",

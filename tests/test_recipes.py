@@ -409,3 +409,15 @@ def test_multi30k_benchmark_rows_ctranslate2_and_diagnostics(tmp_path):
     assert "no CTranslate2 row: the ctranslate2 package is not installed" in proc.stdout
     proc, recorded = run_multi30k(tmp_path / "diag", BENCH_DIAGNOSTIC="1")
     assert any(a.startswith("vsd-fixed=") for a in benchmark_command(recorded))
+
+
+def test_multi30k_benchmark_has_draft_tree_rows(tmp_path):
+    """The specdec_vsd drafter's tree rows (a drafter entry with --draft-tree),
+    the combined decoding with that drafter only, and the ngram tree variant;
+    TREE_NODES sets the trees' size."""
+    proc, recorded = run_multi30k(tmp_path, TREE_NODES="4")
+    bench = benchmark_command(recorded)
+    assert any(a.startswith("vsd-tree=") for a in bench)
+    assert "vsd-tree=--draft-tree 4 --draft-min-confidence 0" in bench
+    assert "ngram+draft-verify:vsd" in option(bench, "--rows").split(",")
+    assert "tree:ngram=--draft-tree 4 --ngram-min-confidence 0.15" in bench

@@ -161,7 +161,8 @@ def build_parser(decodings) -> argparse.ArgumentParser:
                              f"--drafter), {' and '.join(OPTIONAL_ROWS)} (CTranslate2 greedy, float32 and int8, of the "
                              f"same verifier; needs the ctranslate2 package), or a registered decoding "
                              f"({', '.join(decodings) or 'none registered'}, and any "
-                             "a --user-dir plugin registers); beam5 and beam1 are always needed for the ratios")
+                             "a --user-dir plugin registers); KIND:LABEL+LABEL: that kind's rows for those --drafter "
+                             "labels only; beam5 and beam1 are always needed for the ratios")
     parser.add_argument("--user-dir", help="a fairseq plugin directory imported before the rows are built and given "
                                            "to fairseq as --user-dir (it should import fairseq_specdec), e.g. one "
                                            "that registers more decodings")

@@ -16,6 +16,9 @@ only when the ``ctranslate2`` package is installed, see
 read when the rows are built.  A decoding's ``bench_model`` says which
 checkpoint its rows decode with: the verifier, the verifier then each
 drafter (one row per drafter), or the ``--blockwise`` checkpoint.
+``KIND:LABEL+LABEL`` gives a kind's rows for those ``--drafter`` labels only
+(``ngram+draft-verify:vsd``: the combined decoding with the specdec_vsd
+drafter, not with a chain-only Spec-Drafter).
 """
 import re
 from dataclasses import dataclass
@@ -160,12 +163,18 @@ def resolve_rows(value: str, decodings: Mapping, drafters: Sequence[DrafterArg],
         if kind and kind not in wanted:
             wanted.append(kind)
     kinds = row_kinds(decodings)
-    unknown = [r for r in wanted if r not in kinds]
+    unknown = [r for r in wanted if split_kind(r)[0] not in kinds]
     if unknown:
         raise ValueError(f"unknown --rows {unknown}; choose from {', '.join(kinds)}")
     if "beam5" not in wanted or "beam1" not in wanted:
         raise ValueError("--rows must include beam5 and beam1 (every speedup is a ratio to them)")
-    for kind in wanted:
+    labels = [d.label for d in drafters]
+    for full in wanted:
+        kind, only = split_kind(full)
+        missing = [label for label in only or () if label not in labels]
+        if missing:
+            raise ValueError(f"--rows {full}: no --drafter LABEL=PATH with the label {', '.join(map(repr, missing))} "
+                             f"(labels: {', '.join(repr(x) for x in labels if x) or 'none'})")
         if kind in ct2.COMPUTE_TYPES:
             ct2.require(f"--rows {kind}")
             continue
@@ -175,6 +184,13 @@ def resolve_rows(value: str, decodings: Mapping, drafters: Sequence[DrafterArg],
         if model == "blockwise" and not blockwise:
             raise ValueError(f"--rows {kind} needs --blockwise")
     return wanted
+
+
+def split_kind(kind: str) -> Tuple[str, Optional[Tuple[str, ...]]]:
+    """``KIND:LABEL+LABEL`` (a kind's rows for those ``--drafter`` labels
+    only) -> ``(KIND, (LABEL, ...))``; a plain kind -> ``(KIND, None)``."""
+    base, colon, labels = kind.partition(":")
+    return base, (tuple(x for x in labels.split("+") if x) if colon else None)
 
 
 def _bench_model(decodings: Mapping, kind: str) -> Optional[str]:
@@ -255,9 +271,18 @@ class RowSpecs:
                     specs.append(spec)
         return specs
 
-    def _rows(self, kind: str, bs: int, relaxed_batch_sizes: Sequence[int],
+    def _rows(self, full: str, bs: int, relaxed_batch_sizes: Sequence[int],
               grid: Sequence[Tuple[str, str]]) -> List[Dict]:
-        """The rows of one ``--rows`` kind at batch size ``bs``."""
+        """The rows of one ``--rows`` kind at batch size ``bs`` (``KIND:LABELS``:
+        for those drafters only)."""
+        kind, only = split_kind(full)
+        if only is not None:
+            kept = self.drafters
+            self.drafters = [d for d in kept if d.label in only]
+            try:
+                return self._rows(kind, bs, relaxed_batch_sizes, grid)
+            finally:
+                self.drafters = kept
         if kind == "beam5":
             return [self.autoregressive(f"beam5@bs{bs}", "fairseq beam 5", bs, beam=5)]
         if kind == "beam1":

@@ -187,7 +187,7 @@ def _corpus_drafter(ctx: DrafterContext) -> NgramDrafter:
 
 
 #: --draft-tree of ngram+draft-verify when it is not given (chosen on the valid split: docs/trees.md)
-COMBINED_TREE_NODES = 8
+COMBINED_TREE_NODES = 5
 
 
 def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:

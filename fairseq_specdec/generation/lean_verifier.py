@@ -211,6 +211,9 @@ class LeanVerifier(VerifyPass):
         self.use_fused = True
         #: each layer as one call of the extension where it applies
         self.fused_layers = fused_layers
+        #: a draft tree's accepted cache entries moved by one call of the
+        #: extension (where it is built), else by tensor indexing
+        self.native_moves = fused_layers and rowgemm.move_cache_entries_available()
         dec = self.decoder
         #: the encoder as fused C++ layers, else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
@@ -427,11 +430,14 @@ class LeanVerifier(VerifyPass):
         rows = moved.nonzero().squeeze(1)
         base = state.lengths.index_select(0, rows).unsqueeze(1)
         src = base + src.index_select(0, rows)
-        dst = base + torch.arange(most, device=src.device)
+        dst = (base + torch.arange(most, device=src.device)).expand_as(src)
+        caches = self.keys + self.values
+        if self.native_moves and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in caches):
+            rowgemm.move_cache_entries(caches, rows, src, dst)
+            return
         r = rows.unsqueeze(1)
-        for store in (self.keys, self.values):
-            for t in store:
-                t[r, :, dst] = t[r, :, src]  # the right side is gathered first: overlaps are safe
+        for t in caches:
+            t[r, :, dst] = t[r, :, src]  # the right side is gathered first: overlaps are safe
 
     def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
         if self.last_features is not None:

@@ -38,6 +38,8 @@ Builders (each drafter's tree ends up here):
   ``ngram`` drafter's continuations, several drafters combined), merged in a
   trie and cut to the ``n`` best nodes.
 """
+import heapq
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -130,6 +132,50 @@ class DraftTree:
         chain = torch.arange(-1, m - 1, device=self.parents.device)
         return bool(torch.equal(self.parents, chain.unsqueeze(0).expand_as(self.parents)))
 
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[Tuple[int, int]]], pad: int, like: Tensor,
+                   lprobs: Optional[Sequence[Sequence[float]]] = None) -> "DraftTree":
+        """A tree from host lists, per row its nodes as ``(token, parent
+        slot)`` in slot order (parents first); rows with fewer nodes are
+        padded (pad nodes under the root).  The depths, ancestors and paths
+        are worked out on the way (plain Python: cheaper than any array
+        operation at a tree's size) and the tensors made once each, on
+        ``like``'s device."""
+        n = max((len(r) for r in rows), default=0)
+        m = n + 1
+        tokens, parents, depths, ancestors, paths = [], [], [], [], []
+        for row in rows:
+            par = [-1] + [p for _, p in row] + [0] * (n - len(row))
+            depth = [0] * m
+            path = [[0]] + [None] * n
+            anc = [[False] * m for _ in range(m)]
+            anc[0][0] = True
+            for i in range(1, m):
+                p = par[i]
+                depth[i] = depth[p] + 1
+                path[i] = path[p] + [i]
+                for j in path[i]:
+                    anc[i][j] = True
+            tokens.append([t for t, _ in row] + [pad] * (n - len(row)))
+            parents.append(par)
+            depths.append(depth)
+            ancestors.append(anc)
+            paths.append(path)
+        most = max((max(d) for d in depths), default=0)
+        full = [[p + [p[-1]] * (most + 1 - len(p)) for p in row] for row in paths]
+        device = like.device
+        bsz = len(rows)
+        tree = cls(torch.tensor(tokens, dtype=torch.long).view(bsz, n).to(device),
+                   torch.tensor(parents, dtype=torch.long).view(bsz, m).to(device),
+                   None if lprobs is None else torch.tensor(
+                       [list(r) + [-math.inf] * (n - len(r)) for r in lprobs], dtype=torch.float).view(bsz, n).to(device))
+        tree._cache.update(
+            depths=torch.tensor(depths, dtype=torch.long).view(bsz, m).to(device),
+            ancestors=torch.tensor(ancestors, dtype=torch.bool).view(bsz, m, m).to(device),
+            paths=torch.tensor(full, dtype=torch.long).view(bsz, m, most + 1).to(device),
+        )
+        return tree
+
     def index_select(self, order: Tensor) -> "DraftTree":
         return DraftTree(self.tokens.index_select(0, order), self.parents.index_select(0, order),
                          None if self.lprobs is None else self.lprobs.index_select(0, order))
@@ -172,7 +218,46 @@ def _universe(depth: int, width: int, device: str) -> Tuple[Tensor, Tensor, Tens
 UNIVERSE_LIMIT = 4096
 
 
+def best_prefixes(tokens: Sequence[Sequence[int]], lprobs: Sequence[Sequence[float]], nodes: int,
+                  pad: int) -> List[Tuple[int, int, float]]:
+    """One row of :func:`tree_from_candidates` on the host: the ``nodes``
+    most probable prefixes of a k x c candidate table (each position's
+    candidates best first), found best first (a prefix's next candidates are
+    its first child and its next sibling, so each step pushes two), as
+    ``(token, parent slot, log-prob)`` in slot order, parents first."""
+    k = len(tokens)
+    heap = []
+    if k and tokens[0]:
+        heap.append((-lprobs[0][0], 0, 0, 0))  # (-score, parent slot, position, rank)
+    out: List[Tuple[int, int, float]] = []
+    while heap and len(out) < nodes:
+        negative, parent, pos, rank = heapq.heappop(heap)
+        width = len(tokens[pos])
+        if rank + 1 < width:  # the next sibling
+            heapq.heappush(heap, (negative - lprobs[pos][rank + 1] + lprobs[pos][rank], parent, pos, rank + 1))
+        token, lp = tokens[pos][rank], lprobs[pos][rank]
+        if token == pad or lp == -math.inf:
+            continue
+        out.append((token, parent, lp))
+        if pos + 1 < k:  # the first child
+            heapq.heappush(heap, (negative - lprobs[pos + 1][0], len(out), pos + 1, 0))
+    return out
+
+
 def tree_from_candidates(tokens: Tensor, lprobs: Tensor, nodes: int, pad: int) -> DraftTree:
+    """The tree of the ``nodes`` most probable draft prefixes, per row, of a
+    drafter that proposes every position at once (see
+    :func:`tree_from_candidate_tensors`): on a CPU from host lists
+    (:func:`best_prefixes`, a few microseconds a row), elsewhere with tensor
+    operations only (no host read)."""
+    if tokens.device.type != "cpu":
+        return tree_from_candidate_tensors(tokens, lprobs, nodes, pad)
+    rows = [best_prefixes(t, lp, nodes, pad) for t, lp in zip(tokens.tolist(), lprobs.float().tolist())]
+    return DraftTree.from_lists([[(t, p) for t, p, _ in row] for row in rows], pad, tokens,
+                                [[lp for _, _, lp in row] for row in rows])
+
+
+def tree_from_candidate_tensors(tokens: Tensor, lprobs: Tensor, nodes: int, pad: int) -> DraftTree:
     """The tree of the ``nodes`` most probable draft prefixes, per row, of a
     drafter that proposes every position at once: ``tokens`` / ``lprobs``
     (B x k x c) are its ``c`` best tokens per position (best first) and their
@@ -243,14 +328,7 @@ def tree_from_paths(rows: Sequence[Sequence[Tuple[Sequence[int], float]]], nodes
             slot[p] = len(row) + 1
             row.append((p[-1], slot[p[:-1]]))
         per_row.append(row)
-    n = max((len(r) for r in per_row), default=0)
-    n = max(n, 1) if nodes > 0 else 0
-    tokens = [[t for t, _ in r] + [pad] * (n - len(r)) for r in per_row]
-    parents = [[-1] + [p for _, p in r] + [0] * (n - len(r)) for r in per_row]
-    return DraftTree(
-        torch.tensor(tokens, dtype=torch.long).view(len(per_row), n).to(like.device),
-        torch.tensor(parents, dtype=torch.long).view(len(per_row), n + 1).to(like.device),
-    )
+    return DraftTree.from_lists(per_row, pad, like)
 
 
 def tree_paths(tree: DraftTree, pad: int) -> List[List[Tuple[List[int], float]]]:

@@ -291,3 +291,16 @@ def draft_pick(states: Tensor, base: PackedLinear, extra_t: Optional[Tensor], bi
     best, lprob = _ext.draft_pick(states.reshape(-1, states.size(-1)).contiguous(), base.packed, base.out_features,
                                   extra_t, bias.contiguous())
     return best.view(lead), lprob.view(lead)
+
+
+def move_cache_entries_available() -> bool:
+    """Whether the extension has :func:`move_cache_entries` (an older build may not)."""
+    return _ext is not None and hasattr(_ext, "move_cache_entries")
+
+
+def move_cache_entries(caches: List[Tensor], rows: Tensor, src: Tensor, dst: Tensor) -> None:
+    """In every cache (B x heads x capacity x d float32, contiguous, on the
+    CPU), row ``rows[i]``'s entry at position ``src[i, j]`` moved to
+    ``dst[i, j]``, in order of j (``move_cache_entries`` in
+    ``csrc/step.cpp``; a draft tree's accepted path, whose slots only grow)."""
+    _ext.move_cache_entries(caches, rows.contiguous(), src.contiguous(), dst.contiguous())

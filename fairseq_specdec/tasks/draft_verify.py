@@ -141,7 +141,7 @@ class DraftVerifyConfig(TranslationConfig):
             "continuations, verified in one pass; each node attends to its ancestors only) instead of one "
             "chain of --block-size tokens; the tree is at most --block-size deep. Drafters that offer "
             "candidates: draft-verify with a specdec_vsd drafter, blockwise, ngram, ngram+draft-verify "
-            "(0 = chains; default: chains, ngram+draft-verify 8 nodes); the output does not change"
+            "(0 = chains; default: chains, ngram+draft-verify 5 nodes); the output does not change"
         },
     )
     specdec_backend: SPECDEC_BACKEND_CHOICES = field(

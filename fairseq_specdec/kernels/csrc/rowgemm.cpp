@@ -835,6 +835,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len,
     const c10::optional<at::Tensor>& parents);
 
+// csrc/step.cpp: a draft tree's accepted cache entries moved into place
+void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor& rows, const at::Tensor& src,
+                        const at::Tensor& dst);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -853,4 +857,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("strict_step", &strict_step,
         "the tail of a strict speculative iteration (a draft chain or tree): fairseq's rules, running scores, "
         "greedy picks, acceptance");
+  m.def("move_cache_entries", &move_cache_entries,
+        "after a draft tree's pass: each row's accepted cache entries moved to where a chain would have put them");
 }

@@ -30,6 +30,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -192,4 +193,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     ct[3 * B + r] = drafted.empty() ? accepted : drafted[r];
   }
   return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, false};
+}
+
+// After a draft tree's verify pass: move the accepted path's cache entries to
+// where a chain would have written them.  caches: B x H x cap x d float32
+// contiguous CPU tensors (every layer's keys and values); for each row r of
+// ``rows`` (int64), entry src[i][j] goes to dst[i][j] for j = 0 .. count-1
+// (src, dst: len(rows) x count int64), in order of j.  A path's slots only
+// grow, so src[i][j] >= dst[i][j] and no later source is overwritten first.
+void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor& rows, const at::Tensor& src,
+                        const at::Tensor& dst) {
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.device().is_cpu(),
+              "move_cache_entries: rows must be a contiguous int64 CPU vector");
+  const int64_t R = rows.size(0);
+  TORCH_CHECK(src.dim() == 2 && src.size(0) == R && dst.sizes() == src.sizes() && src.scalar_type() == at::kLong &&
+                  dst.scalar_type() == at::kLong && src.is_contiguous() && dst.is_contiguous() && src.device().is_cpu() &&
+                  dst.device().is_cpu(),
+              "move_cache_entries: src and dst must be contiguous int64 CPU tensors of len(rows) x count");
+  const int64_t count = src.size(1);
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (const auto& cache : caches) {
+    TORCH_CHECK(cache.dim() == 4 && cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.device().is_cpu(),
+                "move_cache_entries: every cache must be a contiguous float32 B x H x cap x d CPU tensor");
+    const int64_t B = cache.size(0), H = cache.size(1), cap = cache.size(2), d = cache.size(3);
+    float* base = cache.data_ptr<float>();
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t r = rw[i];
+      TORCH_CHECK(r >= 0 && r < B, "move_cache_entries: row ", r, " is not in the cache");
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t from = sp[i * count + j], to = dp[i * count + j];
+        TORCH_CHECK(from >= 0 && from < cap && to >= 0 && to < cap, "move_cache_entries: position out of the cache");
+        if (from == to) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          float* head = base + (r * H + h) * cap * d;
+          std::memmove(head + to * d, head + from * d, sizeof(float) * d);
+        }
+      }
+    }
+  }
 }
