@@ -265,14 +265,34 @@ def test_tree_cache_holds_only_the_accepted_path(verifier, beam1_reference, back
 @pytest.mark.parametrize("backend", list(TREE_BACKENDS))
 def test_relaxed_tree_with_zero_tolerance_is_strict(verifier, beam1_reference, backend):
     """Top-beta with tau 0 accepts exactly the greedy tokens: walked over a
-    tree (the tensor operations, not the native strict step) it gives --beam 1."""
+    tree (natively on the auto backend, by tensor operations elsewhere) it
+    gives --beam 1."""
     model, task = verifier
     d = task.target_dictionary
     ref = beam1_reference("default", 3)
     drafter = reference_tree_drafter(H.output_tokens(ref), d, seed=11, check_accepted=False)
     gen = tree_generator(model, drafter, d, backend, acceptance=TopBetaAcceptance(5, 0.0))
-    assert not gen.fused_accept
+    assert gen.fused_accept == (backend == "auto")
     assert_identical(ref, run_generator(gen, model, H.batches(task, "test", 3)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_relaxed_trees_natively_and_by_tensor_operations_agree(verifier, bsz):
+    """The native step's top-beta walk over a tree gives the tensor
+    operations' output, token for token and score for score."""
+    model, task = verifier
+    d = task.target_dictionary
+    ref = H.output_tokens(run_generator(H.seq_gen(model, d, OPTION_SETS["default"]), model,
+                                        H.batches(task, "test", bsz)))
+    got = {}
+    for name, off in (("native", ()), ("tensors", ("accept",))):
+        drafter = reference_tree_drafter(ref, d, seed=13, decoys=3, check_accepted=False)
+        gen = H.make_generator(model, drafter, d, 4, acceptance=TopBetaAcceptance(3, 1.0), tree_nodes=24, off=off,
+                               **OPTION_SETS["default"])
+        assert gen.fused_accept == (name == "native")
+        got[name] = run_generator(gen, model, H.batches(task, "test", bsz))
+    assert_identical(got["tensors"], got["native"], atol=0)
 
 
 @pytest.mark.slow

@@ -43,26 +43,37 @@ class CountingStep:
         self.calls = self.ties = 0
         real = rowgemm.strict_step
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             self.calls += 1
-            out = real(*args)
+            out = real(*args, **kwargs)
             self.ties += out is None
             return out
 
         monkeypatch.setattr(rowgemm, "strict_step", counted)
 
 
-def generator(model, d, accept_impl="auto", **opts):
+def generator(model, d, accept_impl="auto", acceptance=None, **opts):
     """``accept_impl``: ``torch`` switches the native step off (the benchmark's ``accept`` part)."""
     opts = dict(dict(max_len_a=0, max_len_b=200, min_len=1), **opts)
-    return H.make_generator(model, NoDrafter(), d, 8, off=("accept",) if accept_impl == "torch" else (), **opts)
+    return H.make_generator(model, NoDrafter(), d, 8, acceptance=acceptance,
+                            off=("accept",) if accept_impl == "torch" else (), **opts)
 
 
-def planted_case(seed, d, bsz, k):
+#: the rules the native step computes: strict, and top-beta with the verifier's scores
+RULES = {"strict": None, "b3t1": (3, 1.0), "b5t3": (5, 3.0), "b2t0.5": (2, 0.5)}
+
+
+def rule_of(name):
+    return StrictAcceptance() if RULES[name] is None else TopBetaAcceptance(*RULES[name])
+
+
+def planted_case(seed, d, bsz, k, second=False):
     """Log-probs whose greedy picks follow planted drafts for a random number
     of slots per row, then differ; some rows draft an EOS in that prefix,
     some draft fewer tokens (pads, their later slots -inf as the verify pass
-    leaves unprojected slots), some entries are NaN."""
+    leaves unprojected slots), some entries are NaN.  With ``second``, the
+    draft at the first slot that differs is the slot's second choice, 0.3
+    below the first (what top-beta verification accepts, strict does not)."""
     g = torch.Generator().manual_seed(seed)
     V, pad, eos = len(d), d.pad(), d.eos()
     logits = torch.randn(bsz, k + 1, V, generator=g) * 2
@@ -74,6 +85,9 @@ def planted_case(seed, d, bsz, k):
             drafts[r, int(torch.randint(0, max(1, right), (1,), generator=g))] = eos
         for j in range(right):
             logits[r, j, drafts[r, j]] += 20.0
+        if second and right < k:
+            row = logits[r, right]
+            row[drafts[r, right]] = row.max() - 0.3
         count = k
         if k and torch.rand(1, generator=g) < 0.3:  # a ragged row: fewer drafts
             count = int(torch.randint(0, k, (1,), generator=g))
@@ -108,18 +122,19 @@ def assert_same_step(a, b):
         assert torch.equal(lprobs_a[r, :n], lprobs_b[r, :n])
 
 
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("rules", [dict(), dict(min_len=6), dict(max_len=9)])
 @pytest.mark.parametrize("bsz,k", [(1, 0), (1, 1), (1, 5), (4, 0), (4, 3), (9, 7)])
-def test_fused_step_gives_the_tensor_operations_values(model_and_dict, monkeypatch, rules, bsz, k):
+def test_fused_step_gives_the_tensor_operations_values(model_and_dict, monkeypatch, rules, bsz, k, rule):
     model, task = model_and_dict
     d = task.target_dictionary
-    gen = generator(model, d, min_len=rules.get("min_len", 1))
+    gen = generator(model, d, acceptance=rule_of(rule), min_len=rules.get("min_len", 1))
     assert gen.fused_accept
     counting = CountingStep(monkeypatch)
     max_len = rules.get("max_len", 200)
     accepted = set()
     for seed in range(12):
-        lprobs, drafts, drafted, state = planted_case(seed, d, bsz, k)
+        lprobs, drafts, drafted, state = planted_case(seed, d, bsz, k, second=rule != "strict")
         before = lprobs.clone()
         fused = accept(gen, True, lprobs, drafts, drafted, state, max_len)
         assert torch.equal(lprobs.nan_to_num(), before.nan_to_num()) and torch.equal(lprobs.isnan(), before.isnan())
@@ -127,7 +142,7 @@ def test_fused_step_gives_the_tensor_operations_values(model_and_dict, monkeypat
         assert_same_step(fused, ops)
         accepted.update(fused[4][2].tolist())
     assert counting.calls == 12 and counting.ties == 0
-    if k and not rules:
+    if k and not rules and rule == "strict":
         assert len(accepted) >= min(3, k + 1)  # the cases cover several accepted lengths
 
 
@@ -173,8 +188,9 @@ def test_decodings_through_the_fused_step_equal_beam1(model_and_dict, tiny_draft
 
 
 def test_the_backend_chooses_the_native_step_where_it_runs(model_and_dict):
-    """Strict verification without --unkpen on a CPU: the native step; relaxed
-    verification, --unkpen, the reference backend: tensor operations."""
+    """Strict and top-beta verification with the verifier's scores, without
+    --unkpen, on a CPU: the native step; the drafter's scores, --unkpen, the
+    reference backend: tensor operations."""
     model, task = model_and_dict
     d = task.target_dictionary
 
@@ -183,5 +199,6 @@ def test_the_backend_chooses_the_native_step_where_it_runs(model_and_dict):
 
     assert build(StrictAcceptance()).fused_accept
     assert not build(StrictAcceptance(), "reference").fused_accept
-    assert not build(TopBetaAcceptance(3, 1.0)).fused_accept
+    assert build(TopBetaAcceptance(3, 1.0)).fused_accept
+    assert not build(TopBetaAcceptance(3, 1.0, "drafter")).fused_accept
     assert not build(StrictAcceptance(), unk_penalty=1.5).fused_accept

@@ -10,9 +10,10 @@ A rule maps, for a batch of B rows and k drafted tokens,
 to a B x k bool tensor "draft j is acceptable at its slot".  The loop keeps the
 longest acceptable prefix and then the verifier's own token.
 
-A rule also states ``uses_draft_scores`` (it reads the drafter's log-probs)
-and ``fused`` (the native extension's one-call step computes it, where the
-backend chose that step: strict acceptance only).
+A rule also states ``uses_draft_scores`` (it reads the drafter's log-probs),
+``fused`` (the native extension's one-call step computes it, where the
+backend chose that step) and ``native`` (what that step is told: None for
+strict, ``(beta, tau)`` for top-beta with the verifier's scores).
 """
 from typing import Optional
 
@@ -30,6 +31,8 @@ class StrictAcceptance:
     uses_draft_scores = False
     #: the extension's ``strict_step`` (the native acceptance step) computes this rule
     fused = True
+    #: the native step's rule: strict
+    native = None
 
     def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
         return draft_tokens.eq(greedy)
@@ -50,8 +53,6 @@ class TopBetaAcceptance:
     limit) are never accepted.
     """
 
-    fused = False
-
     def __init__(self, beta: int, tau: float, score: str = "verifier"):
         if beta < 1:
             raise ValueError(f"--verify-beta must be >= 1, got {beta}")
@@ -61,6 +62,9 @@ class TopBetaAcceptance:
             raise ValueError(f"--verify-score must be one of {VERIFY_SCORES}, got {score!r}")
         self.beta, self.tau, self.score = beta, tau, score
         self.uses_draft_scores = score == "drafter"
+        #: the native step computes the rule with the verifier's scores
+        self.fused = score == "verifier"
+        self.native = (beta, tau)
 
     def __call__(self, draft_tokens, draft_lprobs, lprobs, greedy):
         top_values, top_indices = lprobs.topk(min(self.beta, lprobs.size(-1)), dim=-1)
@@ -84,7 +88,7 @@ def fused_accept_reason(rule, unk_penalty: float) -> Optional[str]:
     CPU verifier's float32 log-probs): the extension's one call computes
     strict acceptance under fairseq's rules without ``--unkpen``."""
     if not rule.fused:
-        return f"it computes strict verification only, and the acceptance rule is {rule!r} (--verify-beta > 1)"
+        return f"it computes strict and top-beta verification with the verifier's scores, and the rule is {rule!r}"
     if unk_penalty != 0:
         return f"it applies no --unkpen, and --unkpen is {unk_penalty}"
     return rowgemm.strict_step_unavailable_reason()

@@ -390,7 +390,7 @@ class SpeculativeGenerator:
         out = None
         if host_checks and self.fused_accept and lprobs.dtype == torch.float32 and lprobs.device.type == "cpu":
             out = rowgemm.strict_step(lprobs, tree.tokens, state.cum, state.lengths, [], self.pad, self.eos,
-                                      self.min_len, max_len, tree.parents)
+                                      self.min_len, max_len, tree.parents, self.acceptance.native)
             if out is None:
                 self.fused_ties += 1
             else:
@@ -524,7 +524,7 @@ class SpeculativeGenerator:
         if not (self.fused_accept and lprobs.dtype == torch.float32 and lprobs.device.type == "cpu"):
             return None
         out = rowgemm.strict_step(lprobs, draft_tokens, state.cum, state.lengths, drafted, self.pad, self.eos,
-                                  self.min_len, max_len)
+                                  self.min_len, max_len, relaxed=self.acceptance.native)
         if out is None:
             self.fused_ties += 1
         return out

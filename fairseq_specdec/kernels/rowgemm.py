@@ -248,7 +248,8 @@ def strict_step_unavailable_reason() -> Optional[str]:
 
 
 def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, drafted: List[int], pad: int, eos: int,
-                min_len: int, max_len: int, parents: Optional[Tensor] = None) -> Optional[tuple]:
+                min_len: int, max_len: int, parents: Optional[Tensor] = None, relaxed: Optional[tuple] = None
+                ) -> Optional[tuple]:
     """The tail of a strict speculative iteration in one call of the extension
     (``strict_step`` in ``csrc/step.cpp``, whose comment states the contract):
     from the verify pass's B x (k + 1) x V float32 log-probs (read, not
@@ -264,10 +265,14 @@ def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, dr
     (:class:`~fairseq_specdec.generation.tree.DraftTree`), not a chain; the
     result then has a sixth member, B x (k + 1) ``path``: the slot each
     appended token was picked at (the accepted root path, then the verifier's
-    slot)."""
+    slot).  ``relaxed`` ``(beta, tau)``: top-beta verification with the
+    verifier's scores (:class:`~fairseq_specdec.generation.acceptance.TopBetaAcceptance`)
+    instead of strict; a rank decided by equal values is reported as a tie."""
+    beta, tau = relaxed if relaxed is not None else (1, 0.0)
     *out, path, tie = _ext.strict_step(lprobs.contiguous(), drafts.contiguous(), cum.contiguous(),
                                        lengths.contiguous(), drafted, int(pad), int(eos), int(min_len), int(max_len),
-                                       None if parents is None else parents.contiguous())
+                                       None if parents is None else parents.contiguous(), relaxed is not None,
+                                       int(beta), float(tau))
     if tie:
         return None
     return tuple(out) if parents is None else tuple(out) + (path,)

@@ -833,7 +833,7 @@ std::tuple<torch::Tensor, torch::Tensor> draft_pick(const torch::Tensor& states,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
     const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len,
-    const c10::optional<at::Tensor>& parents);
+    const c10::optional<at::Tensor>& parents, bool relaxed, int64_t beta, double tau);
 
 // csrc/step.cpp: a draft tree's accepted cache entries moved into place
 void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor& rows, const at::Tensor& src,

@@ -19,6 +19,14 @@
 // * a draft is accepted while it equals its slot's greedy token; the row
 //   appends the accepted drafts and the greedy token of the first slot not
 //   accepted, cut after the first EOS among them.
+// With ``relaxed`` (top-beta verification, TopBetaAcceptance with the
+// verifier's scores): a draft is acceptable where its masked log-prob is
+// finite, among its parent slot's ``beta`` largest and within ``tau`` of the
+// largest; the row keeps the deepest node whose ancestors and itself are all
+// acceptable (the first in slot order: in a chain, the longest acceptable
+// prefix), and only that slot needs its greedy pick.  A draft whose rank
+// among the beta largest is decided by equal values (torch's top-k picks
+// among them) is reported as a tie too.
 // Where the largest sum of a slot the row reads is not unique (a tie, or a
 // NaN running score), the top-2's choice between the tied tokens is
 // torch's, so the call reports a tie and computes nothing the caller may
@@ -73,6 +81,42 @@ inline Pick pick(const float* row, int64_t V, float running, int64_t pad, int64_
   return {arg, masked(arg), count == 1};
 }
 
+// The ``beta`` largest masked log-probs of a row (no running score), largest first.
+inline void top_values(const float* row, int64_t V, int64_t beta, int64_t pad, int64_t eos, bool no_eos,
+                       bool eos_only, std::vector<float>& top) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  top.assign(static_cast<size_t>(beta), kNegInf);
+  for (int64_t v = 0; v < V; ++v) {
+    const float x = row[v];
+    if (std::isnan(x) || v == pad || (no_eos && v == eos) || (eos_only && v != eos)) continue;
+    if (x <= top[beta - 1]) continue;
+    int64_t i = beta - 1;
+    while (i > 0 && top[i - 1] < x) {
+      top[i] = top[i - 1];
+      --i;
+    }
+    top[i] = x;
+  }
+}
+
+// Whether ``token`` (masked log-prob x, finite) is among the row's ``beta``
+// largest as torch's top-k would say: 1 yes, 0 no, -1 undecided (values
+// equal to x straddle the beta-th place).
+inline int in_top(const float* row, int64_t V, int64_t beta, float x, const std::vector<float>& top, int64_t pad,
+                  int64_t eos, bool no_eos, bool eos_only) {
+  const float kth = top[beta - 1];
+  if (x > kth) return 1;
+  if (x < kth) return 0;
+  int64_t greater = 0, equal = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const float y = row[v];
+    if (std::isnan(y) || v == pad || (no_eos && v == eos) || (eos_only && v != eos)) continue;
+    greater += y > x;
+    equal += y == x;
+  }
+  return greater + equal <= beta ? 1 : -1;
+}
+
 }  // namespace
 
 // lprobs: B x m x V float32 (contiguous CPU); drafts: B x (m - 1) int64 (the
@@ -89,7 +133,8 @@ inline Pick pick(const float* row, int64_t V, float running, int64_t pad, int64_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, bool> strict_step(
     const at::Tensor& lprobs, const at::Tensor& drafts, const at::Tensor& cum, const at::Tensor& lengths,
     const std::vector<int64_t>& drafted, int64_t pad, int64_t eos, int64_t min_len, int64_t max_len,
-    const c10::optional<at::Tensor>& parents_opt) {
+    const c10::optional<at::Tensor>& parents_opt, bool relaxed, int64_t beta, double tau) {
+  TORCH_CHECK(!relaxed || beta >= 1, "strict_step: relaxed verification needs beta >= 1");
   TORCH_CHECK(lprobs.dim() == 3 && lprobs.scalar_type() == at::kFloat && lprobs.device().is_cpu() &&
                   lprobs.is_contiguous(),
               "strict_step: lprobs must be a contiguous B x m x V float32 CPU tensor");
@@ -138,6 +183,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   int64_t* ct = counts.data_ptr<int64_t>();
   int64_t* po = path_out.data_ptr<int64_t>();
   std::vector<float> running(static_cast<size_t>(m));  // by depth, along the walked path
+  // relaxed: per slot its beta largest masked log-probs, whether computed; per node reached, depth
+  std::vector<std::vector<float>> tops(static_cast<size_t>(m));
+  std::vector<char> have_top, reach;
+  std::vector<int64_t> depth;
 
   for (int64_t r = 0; r < B; ++r) {
     const int64_t* draft = dr + r * k;
@@ -148,28 +197,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     running[0] = cm[r];
     int64_t accepted = 0;
     int64_t slot = 0;
-    for (int64_t j = 0;; ++j) {  // depth j, slot ``slot``, while the drafts before it are accepted
-      if (std::isnan(running[j])) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
-      const int64_t step = len[r] + j;
-      const Pick p = pick(lp + (r * m + slot) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
-      if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
-      tokens[j] = p.token;
-      tok_lprobs[j] = p.lprob;
-      path[j] = slot;
-      int64_t next = -1;
-      if (parent == nullptr) {
-        if (slot < k && draft[slot] == p.token) next = slot + 1;
-      } else {
-        for (int64_t c = slot + 1; c < m; ++c)
-          if (parent[c] == slot && draft[c - 1] == p.token) {
-            next = c;
-            break;
-          }
+    if (relaxed) {
+      // every node whose ancestors are all acceptable, in slot order (parents
+      // first); the deepest of them (the first in slot order) ends the path
+      reach.assign(static_cast<size_t>(m), 0);
+      depth.assign(static_cast<size_t>(m), 0);
+      have_top.assign(static_cast<size_t>(m), 0);
+      reach[0] = 1;
+      int64_t best = 0;
+      for (int64_t c = 1; c < m; ++c) {
+        const int64_t p = parent == nullptr ? c - 1 : parent[c];
+        depth[c] = depth[p] + 1;
+        if (!reach[p]) continue;
+        const int64_t token = draft[c - 1];
+        const int64_t step = len[r] + depth[p];
+        const bool no_eos = step < min_len, eos_only = step >= max_len;
+        if (token < 0 || token >= V || token == pad || (no_eos && token == eos) || (eos_only && token != eos)) continue;
+        const float* row = lp + (r * m + p) * V;
+        const float x = row[token];
+        if (!std::isfinite(x)) continue;
+        std::vector<float>& top = tops[p];
+        if (!have_top[p]) {
+          top_values(row, V, beta, pad, eos, no_eos, eos_only, top);
+          have_top[p] = 1;
+        }
+        const int ranked = in_top(row, V, beta, x, top, pad, eos, no_eos, eos_only);
+        if (ranked < 0) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
+        if (ranked == 1 && static_cast<double>(top[0] - x) <= tau) {
+          reach[c] = 1;
+          if (depth[c] > depth[best]) best = c;
+        }
       }
-      if (next < 0) break;
-      running[j + 1] = running[j] + p.lprob;  // the draft's log-prob: it is the greedy token
-      slot = next;
-      ++accepted;
+      accepted = depth[best];
+      for (int64_t s2 = best, j = accepted; j >= 0; --j) {
+        path[j] = s2;
+        s2 = j > 0 ? (parent == nullptr ? s2 - 1 : parent[s2]) : 0;
+      }
+      for (int64_t j = 0; j < accepted; ++j) {  // the accepted drafts and the running scores before each
+        const int64_t token = draft[path[j + 1] - 1];
+        tokens[j] = token;
+        tok_lprobs[j] = lp[(r * m + path[j]) * V + token];
+        running[j + 1] = running[j] + tok_lprobs[j];
+      }
+      slot = best;
+      if (std::isnan(running[accepted])) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
+      const int64_t step = len[r] + accepted;
+      const Pick p = pick(lp + (r * m + slot) * V, V, running[accepted], pad, eos, step < min_len, step >= max_len);
+      if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
+      tokens[accepted] = p.token;
+      tok_lprobs[accepted] = p.lprob;
+    } else {
+      for (int64_t j = 0;; ++j) {  // depth j, slot ``slot``, while the drafts before it are accepted
+        if (std::isnan(running[j])) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
+        const int64_t step = len[r] + j;
+        const Pick p = pick(lp + (r * m + slot) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
+        if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
+        tokens[j] = p.token;
+        tok_lprobs[j] = p.lprob;
+        path[j] = slot;
+        int64_t next = -1;
+        if (parent == nullptr) {
+          if (slot < k && draft[slot] == p.token) next = slot + 1;
+        } else {
+          for (int64_t c = slot + 1; c < m; ++c)
+            if (parent[c] == slot && draft[c - 1] == p.token) {
+              next = c;
+              break;
+            }
+        }
+        if (next < 0) break;
+        running[j + 1] = running[j] + p.lprob;  // the draft's log-prob: it is the greedy token
+        slot = next;
+        ++accepted;
+      }
     }
     for (int64_t j = accepted + 1; j < m; ++j) {  // scratch past the verifier's token
       tokens[j] = parent == nullptr && j < k ? draft[j] : pad;
