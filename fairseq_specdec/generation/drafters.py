@@ -141,7 +141,9 @@ class Drafter(ABC):
         by default its start of batch, its pass and its feedback; a label
         starting "of which: " is a part of the rows above it."""
         yield self, "start_batch", "drafter start of batch"
-        yield self, "propose", f"drafter pass (up to {k} drafts)"
+        yield self, "propose", f"drafter pass (up to {k} drafts)", not self.drafts_trees
+        if self.drafts_trees:
+            yield self, "propose_tree", f"drafter tree (up to {k} deep)", False
         yield self, "update", "drafter feedback", False
 
 
@@ -725,7 +727,8 @@ class VerifierStateDrafter(Drafter):
 
     def timed_parts(self, k: int):
         yield self, "start_batch", "drafter start of batch (memory from the verifier's encoder output)"
-        yield self, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)"
+        yield self, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)", False
+        yield self, "propose_tree", f"drafter tree (1 + up to {k} rows, top candidates, best prefixes)", False
         if self.native is not None:
             yield self.native, "block_states", "of which: drafter block layers (native)"
         else:
