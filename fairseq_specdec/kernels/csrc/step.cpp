@@ -197,6 +197,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     running[0] = cm[r];
     int64_t accepted = 0;
     int64_t slot = 0;
+    // the verifier's greedy token at slot s (depth j), written as the row's
+    // j-th token; not unique on a tie or a NaN running score
+    auto verifier_token = [&](int64_t s, int64_t j) -> Pick {
+      if (std::isnan(running[j])) return {0, 0.0f, false};
+      const int64_t step = len[r] + j;
+      const Pick p = pick(lp + (r * m + s) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
+      if (p.unique) {
+        tokens[j] = p.token;
+        tok_lprobs[j] = p.lprob;
+      }
+      return p;
+    };
     if (relaxed) {
       // every node whose ancestors are all acceptable, in slot order (parents
       // first); the deepest of them (the first in slot order) ends the path
@@ -240,20 +252,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         running[j + 1] = running[j] + tok_lprobs[j];
       }
       slot = best;
-      if (std::isnan(running[accepted])) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
-      const int64_t step = len[r] + accepted;
-      const Pick p = pick(lp + (r * m + slot) * V, V, running[accepted], pad, eos, step < min_len, step >= max_len);
-      if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
-      tokens[accepted] = p.token;
-      tok_lprobs[accepted] = p.lprob;
+      if (!verifier_token(slot, accepted).unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
     } else {
       for (int64_t j = 0;; ++j) {  // depth j, slot ``slot``, while the drafts before it are accepted
-        if (std::isnan(running[j])) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
-        const int64_t step = len[r] + j;
-        const Pick p = pick(lp + (r * m + slot) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
+        const Pick p = verifier_token(slot, j);
         if (!p.unique) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
-        tokens[j] = p.token;
-        tok_lprobs[j] = p.lprob;
         path[j] = slot;
         int64_t next = -1;
         if (parent == nullptr) {
