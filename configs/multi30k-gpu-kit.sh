@@ -53,6 +53,7 @@ fi
 : "${BENCH_BATCH_SIZES:=1}"        # the bench phase; the batched phase: KIT_BATCHED (8,64) of scripts/gpu-run.sh
 : "${BENCH_DRAFTERS:=vsd}"          # the paper's drafter measured 1.22x of --beam 1 (add it: "paper vsd")
 : "${BENCH_RELAXED:=5:3}"
+: "${TREE_NODES:=16}"             # draft trees' nodes (the CPU's 5 is the CPU pass's limit; not yet measured on a GPU)
 : "${BENCH_RELAXED_BATCH_SIZES:=1}"
 # --specdec-backend auto on a float32 GPU verifier: at batch 1 whole
 # iterations are captured for loop-greedy and specdec_vsd (strict, relaxed),

@@ -191,12 +191,17 @@ def test_dry_run_prints_every_command_with_its_budget(tmp_path):
         assert opt("--device") == "auto" and opt("--batch-sizes") == sizes and opt("--jobs") == "1"
         assert opt("--out").endswith(f"runs/gpu-kit.small/{out_dir}")
         assert opt("--raw-ref").endswith(".gpu-kit/data/raw/test_2016_flickr.de.gz")
-        assert opt("--variant") == variants[out_dir] and "--keep-going" in bench
+        given = [bench[i + 1] for i, a in enumerate(bench) if a == "--variant"]
+        # the ngram tree variant, with the kit's trees of 16 nodes
+        assert given == ["tree:ngram=--draft-tree 16 --ngram-min-confidence 0.15", variants[out_dir]]
+        assert "--keep-going" in bench
         assert [a for a in bench if a.startswith(("paper=", "vsd="))] == [f"vsd={os.path.dirname(opt('--out'))}/vsd/checkpoint_last.pt"]
+        assert "vsd-tree=--draft-tree 16 --draft-min-confidence 0" in bench
     # ct2 joins the rows wherever the ctranslate2 package imports (here, for the dry run; on the GPU machine, if carried)
     rows = lambda bench: set(bench[bench.index("--rows") + 1].split(",")) - {"ct2"}  # noqa: E731
-    assert rows(bench1) == {"beam5", "beam1", "loop-greedy", "ngram", "strict", "relaxed", "blockwise"}
-    assert rows(batched) == {"beam5", "beam1", "loop-greedy", "ngram", "strict", "blockwise"} and "--relaxed" not in batched
+    assert rows(bench1) == {"beam5", "beam1", "loop-greedy", "ngram", "strict", "relaxed", "blockwise", "ngram+draft-verify:vsd"}
+    assert rows(batched) == {"beam5", "beam1", "loop-greedy", "ngram", "strict", "blockwise", "ngram+draft-verify:vsd"}
+    assert "--relaxed" not in batched
     assert not any(len(argv) > 1 and argv[1].endswith("roofline.py") for _, argv in cmds)  # a CPU figure
 
 
