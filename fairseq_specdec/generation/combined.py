@@ -26,7 +26,7 @@ from .state import Feedback
 from .tree import tree_from_paths, tree_paths
 
 #: ``enough`` when none is given: the sum of confidences from which the first
-#: drafter's tree is used alone (chosen on the valid split: docs/trees.md)
+#: drafter's tree is used alone (set, not tuned: docs/trees.md)
 COMBINED_ENOUGH = 1.0
 
 
@@ -54,8 +54,6 @@ class CombinedDrafter(Drafter):
         self.started = False  # whether the second drafter's start of batch has run
         self.newest: Optional[Tensor] = None  # B x C: the verifier's newest states, until it has
         self.max_positions = second.max_positions
-        #: iterations of rows the second drafter was asked for / all (the log's share)
-        self.second_rows = self.rows = 0
 
     def describe(self) -> str:
         return (f"{self.first.describe()}, then {self.second.describe()} where the first's tree is unsure "
@@ -87,7 +85,6 @@ class CombinedDrafter(Drafter):
     def propose_tree(self, state, k, nodes):
         paths = self.first.tree_paths(state, k, nodes)
         unsure = [i for i, row in enumerate(paths) if sum(score for _, score in row) < self.enough]
-        self.rows += len(paths)
         if unsure:
             if not self.started:
                 self._start_second(state)
@@ -95,7 +92,6 @@ class CombinedDrafter(Drafter):
             more = tree_paths(self.second.propose_tree(state, depth, nodes), self.pad)
             for i in unsure:
                 paths[i] = paths[i] + more[i]
-            self.second_rows += len(unsure)
         return tree_from_paths(paths, nodes, self.pad, state.tokens)
 
     def update(self, state, feedback) -> None:

@@ -160,6 +160,23 @@ class _Layer:
             self.fused = rowgemm.FusedDecoderLayer(layer, self.qkv, self.sa_out, self.ca_q, self.ca_out, self.fc1, self.fc2)
 
 
+def hidden_columns(lengths: Tensor, last: Tensor, width: int, ancestors: Optional[Tensor] = None) -> Tensor:
+    """B x m x width bool, True at the cache columns a pass's slot does not
+    see: slot j of row r (at column ``last[r, j] = lengths[r] + j``) sees the
+    row's prefix and the pass's slots up to itself, or, with a draft tree's
+    ``ancestors`` (B x m x m), only its ancestors and itself among the
+    pass's slots."""
+    m = last.size(1)
+    cols = torch.arange(width, device=lengths.device)
+    hidden = cols.view(1, 1, -1) > last.unsqueeze(-1)
+    if ancestors is not None:
+        rel = cols.unsqueeze(0) - lengths.unsqueeze(1)  # B x width: the slot of a column, if in this pass
+        in_pass = (rel >= 0) & (rel < m)
+        seen = ancestors.gather(2, rel.clamp(0, m - 1).unsqueeze(1).expand(lengths.size(0), m, width))
+        hidden = hidden | (in_pass.unsqueeze(1) & ~seen)
+    return hidden
+
+
 def fusable_layer(layer) -> bool:
     """Whether a (lean-supported) decoder layer runs as one call of the C++
     extension: ReLU feed-forward, affine layer norms with one epsilon, and an
@@ -358,13 +375,7 @@ class LeanVerifier(VerifyPass):
             rows = positions = None
         else:
             last = state.lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # B x m: each slot's cache position
-            cols = torch.arange(width, device=tokens.device)
-            hidden = cols.view(1, 1, -1) > last.unsqueeze(-1)  # B x m x width
-            if tree is not None:
-                rel = cols.unsqueeze(0) - state.lengths.unsqueeze(1)  # B x width: slot of a column, if in this pass
-                in_pass = (rel >= 0) & (rel < m)
-                seen = tree.ancestors.gather(2, rel.clamp(0, m - 1).unsqueeze(1).expand(bsz, m, width))
-                hidden = hidden | (in_pass.unsqueeze(1) & ~seen)
+            hidden = hidden_columns(state.lengths, last, width, None if tree is None else tree.ancestors)
             mask = x.new_zeros(bsz, 1, m, width).masked_fill_(hidden.unsqueeze(1), -math.inf)
             rows = torch.arange(bsz, device=tokens.device).unsqueeze(1)
             positions = last

@@ -241,22 +241,12 @@ class NgramDrafter(Drafter):
 
     def _draft(self, table: Dict[int, int], context: List[int], k: int) -> List[int]:
         order = self.corpus.order
-        lookup = self.corpus.lookup
         draft: List[int] = []
         # the product of the confidences so far, in units of 1 / CONF_MAX
         sure = float(CONF_MAX)
         floor = self._floor
         for _ in range(k):
-            keys = context_keys(context, order)
-            value = table.get(keys[-1])
-            if value is None:
-                value = lookup(keys[-1])
-            n = order - 1
-            while value is None and n > 0:
-                value = table.get(keys[n - 1])
-                n -= 1
-            if value is None:
-                value = lookup(keys[0])
+            value = next(self._continuations(table, context_keys(context, order)), None)
             if value is None:
                 break
             sure = sure * (value & CONF_MAX) / CONF_MAX
@@ -278,21 +268,31 @@ class NgramDrafter(Drafter):
     # -- draft trees ---------------------------------------------------------
     drafts_trees = True
 
-    def _candidates(self, table: Dict[int, int], context: List[int]) -> List[tuple]:
-        """Every continuation the tables hold for ``context``, in the order a
-        chain's draft prefers them (the neighbours' longest context, the
-        corpus's full context, the neighbours' shorter ones, the corpus's last
-        token), each token once, with its confidence (a fraction)."""
-        order = self.corpus.order
+    def _continuations(self, table: Dict[int, int], keys: List[int]):
+        """The table entries the tables hold for a context (its
+        :func:`context_keys`), in the order a draft prefers them: the
+        neighbours' longest context, the corpus's full context, the
+        neighbours' shorter ones, the corpus's last token.  A chain takes
+        the first; a tree every one (:meth:`_candidates`)."""
         lookup = self.corpus.lookup
-        keys = context_keys(context, order)
-        values = [table.get(keys[-1]), lookup(keys[-1])]
-        values += [table.get(keys[n - 1]) for n in range(order - 1, 0, -1)]
-        values.append(lookup(keys[0]))
-        seen: Dict[int, float] = {}
-        for value in values:
+        for value in (table.get(keys[-1]), lookup(keys[-1])):
             if value is not None:
-                seen.setdefault(value >> CONF_BITS, (value & CONF_MAX) / CONF_MAX)
+                yield value
+        for n in range(len(keys) - 1, 0, -1):
+            value = table.get(keys[n - 1])
+            if value is not None:
+                yield value
+        value = lookup(keys[0])
+        if value is not None:
+            yield value
+
+    def _candidates(self, table: Dict[int, int], context: List[int]) -> List[tuple]:
+        """Every continuation the tables hold for ``context``, in the order of
+        :meth:`_continuations`, each token once, with its confidence (a
+        fraction)."""
+        seen: Dict[int, float] = {}
+        for value in self._continuations(table, context_keys(context, self.corpus.order)):
+            seen.setdefault(value >> CONF_BITS, (value & CONF_MAX) / CONF_MAX)
         return list(seen.items())
 
     def tree_paths(self, state, k: int, nodes: int) -> List[List[tuple]]:

@@ -387,18 +387,13 @@ class SpeculativeGenerator:
             return self._step(state, 0, max_len, host_checks) + (None,)
         tokens = torch.cat([state.last_tokens(), tree.tokens], dim=1)
         lprobs = self.verifier.forward(tokens, state, tree=tree)
-        out = None
-        if host_checks and self.fused_accept and lprobs.dtype == torch.float32 and lprobs.device.type == "cpu":
-            out = rowgemm.strict_step(lprobs, tree.tokens, state.cum, state.lengths, [], self.pad, self.eos,
-                                      self.min_len, max_len, tree.parents, self.acceptance.native)
-            if out is None:
-                self.fused_ties += 1
-            else:
-                new_tokens, new_lprobs, n_new, cum, counts, path = out
-                width = tree.max_depth + 1  # a row appends at most this many tokens
-                counts[3] = tree.tokens.ne(self.pad).sum(1)
-                out = (new_tokens[:, :width], new_lprobs[:, :width], n_new, cum, counts, path[:, :width])
-        if out is None:
+        out = self._fused_tail(lprobs, tree.tokens, state, [], max_len, tree.parents) if host_checks else None
+        if out is not None:
+            new_tokens, new_lprobs, n_new, cum, counts, path = out
+            width = tree.max_depth + 1  # a row appends at most this many tokens
+            counts[3] = tree.tokens.ne(self.pad).sum(1)
+            out = (new_tokens[:, :width], new_lprobs[:, :width], n_new, cum, counts, path[:, :width])
+        else:
             out = self._accept_tree(state, lprobs, tree, max_len, host_checks)
         path = out[-1]
         features = self.verifier.last_features
@@ -511,20 +506,24 @@ class SpeculativeGenerator:
         new_lprobs = lprobs.gather(2, new_tokens.unsqueeze(-1)).squeeze(-1)
         return self._appended(new_tokens, new_lprobs, running_t, n_accepted, drafted)
 
-    def _fused_tail(self, lprobs: Tensor, draft_tokens: Tensor, state, drafted: List[int], max_len: int) -> Optional[tuple]:
+    def _fused_tail(self, lprobs: Tensor, draft_tokens: Tensor, state, drafted: List[int], max_len: int,
+                    parents: Optional[Tensor] = None) -> Optional[tuple]:
         """Steps 2-3 after the verify pass (fairseq's rules, greedy picks,
-        strict acceptance, the tokens to append) as one call of the extension
+        the acceptance rule (strict, or top-beta: ``acceptance.native``),
+        the tokens to append) as one call of the extension
         (:func:`~fairseq_specdec.kernels.rowgemm.strict_step`):
         ``(new_tokens, new_lprobs, n_new, cum, counts)``, the values the
         tensor operations compute.  ``drafted``: each row's count of drafted
         tokens (the loop's host checks), empty where k = 0.  None where it
         does not run (not ``fused_accept``, log-probs not float32 on a CPU) or
         a greedy pick ties: the caller's tensor operations then take the
-        iteration, from the same unchanged log-probs."""
+        iteration, from the same unchanged log-probs.  ``parents``: the drafts
+        are a draft tree's nodes; the result then ends with the accepted path
+        (:func:`~fairseq_specdec.kernels.rowgemm.strict_step`)."""
         if not (self.fused_accept and lprobs.dtype == torch.float32 and lprobs.device.type == "cpu"):
             return None
         out = rowgemm.strict_step(lprobs, draft_tokens, state.cum, state.lengths, drafted, self.pad, self.eos,
-                                  self.min_len, max_len, relaxed=self.acceptance.native)
+                                  self.min_len, max_len, parents, self.acceptance.native)
         if out is None:
             self.fused_ties += 1
         return out

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from ..utils.encoder_out import encoder_states
 from .graph_cache import GraphCache
-from .lean_verifier import LeanVerifier
+from .lean_verifier import LeanVerifier, hidden_columns
 
 #: the self-attention cache's capacity is a multiple of this
 CAPACITY_STEP = 64
@@ -210,13 +210,7 @@ class StaticVerifier(LeanVerifier):
         rows, m = tokens.shape
         x = self._embed(tokens, lengths, depths)
         positions = lengths.unsqueeze(1) + torch.arange(m, device=tokens.device)  # rows x m
-        cols = torch.arange(self.capacity, device=tokens.device)
-        hidden = cols.view(1, 1, -1) > positions.unsqueeze(-1)
-        if ancestors is not None:
-            rel = cols.unsqueeze(0) - lengths.unsqueeze(1)
-            in_pass = (rel >= 0) & (rel < m)
-            seen = ancestors.gather(2, rel.clamp(0, m - 1).unsqueeze(1).expand(rows, m, self.capacity))
-            hidden = hidden | (in_pass.unsqueeze(1) & ~seen)
+        hidden = hidden_columns(lengths, positions, self.capacity, ancestors)
         mask = x.new_zeros(rows, 1, m, self.capacity).masked_fill_(hidden.unsqueeze(1), -math.inf)
         index = torch.arange(rows, device=tokens.device).unsqueeze(1)
         for i, lw in enumerate(self.layers):

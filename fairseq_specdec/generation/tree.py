@@ -44,9 +44,39 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
+
+
+def derived_views(parents: Sequence[Sequence[int]], device) -> Dict[str, Tensor]:
+    """A tree's ``depths``, ``ancestors`` and ``paths`` (see :class:`DraftTree`)
+    from its parent slots, one list per row (-1 at slot 0, parents first),
+    worked out in plain Python on the host (cheaper than any array
+    operation at a tree's size) and made into tensors on ``device``."""
+    bsz = len(parents)
+    m = len(parents[0]) if parents else 1
+    depths, ancestors, paths = [], [], []
+    for par in parents:
+        depth = [0] * m
+        path = [[0]] + [None] * (m - 1)
+        anc = [[False] * m for _ in range(m)]
+        anc[0][0] = True
+        for i in range(1, m):
+            p = par[i]
+            depth[i] = depth[p] + 1
+            path[i] = path[p] + [i]
+            for j in path[i]:
+                anc[i][j] = True
+        depths.append(depth)
+        ancestors.append(anc)
+        paths.append(path)
+    most = max((max(d) for d in depths), default=0)
+    full = [[p + [p[-1]] * (most + 1 - len(p)) for p in row] for row in paths]
+    return dict(
+        depths=torch.tensor(depths, dtype=torch.long).view(bsz, m).to(device),
+        ancestors=torch.tensor(ancestors, dtype=torch.bool).view(bsz, m, m).to(device),
+        paths=torch.tensor(full, dtype=torch.long).view(bsz, m, most + 1).to(device),
+    )
 
 
 @dataclass
@@ -73,31 +103,9 @@ class DraftTree:
         return self.tokens.size(1) + 1
 
     def _derive(self) -> None:
-        """Depths, ancestors and paths from the parents, on the host (a few
-        small numpy operations per slot cost less than tensor operations at
-        a tree's size), then on the parents' device."""
-        parents = self.parents.cpu().numpy()
-        bsz, m = parents.shape
-        rows = np.arange(bsz)
-        depths = np.zeros((bsz, m), dtype=np.int64)
-        ancestors = np.zeros((bsz, m, m), dtype=bool)
-        ancestors[:, 0, 0] = True
-        for i in range(1, m):  # parents come first: one pass in slot order
-            p = parents[:, i]
-            depths[:, i] = depths[rows, p] + 1
-            ancestors[:, i] = ancestors[rows, p]
-            ancestors[:, i, i] = True
-        most = int(depths.max()) if m > 0 else 0
-        # paths[r, s, d]: the ancestor of slot s at depth d (s itself past its depth)
-        paths = np.broadcast_to(np.arange(m).reshape(1, m, 1), (bsz, m, most + 1)).copy()
-        r_idx, s_idx, j_idx = np.nonzero(ancestors)
-        paths[r_idx, s_idx, depths[r_idx, j_idx]] = j_idx
-        device = self.parents.device
-        self._cache.update(
-            depths=torch.from_numpy(depths).to(device),
-            ancestors=torch.from_numpy(ancestors).to(device),
-            paths=torch.from_numpy(paths).to(device),
-        )
+        """Depths, ancestors and paths from the parents (on the host: see
+        :func:`derived_views`), then on the parents' device."""
+        self._cache.update(derived_views(self.parents.tolist(), self.parents.device))
 
     def _get(self, name: str) -> Tensor:
         if name not in self._cache:
@@ -138,47 +146,19 @@ class DraftTree:
         """A tree from host lists, per row its nodes as ``(token, parent
         slot)`` in slot order (parents first); rows with fewer nodes are
         padded (pad nodes under the root).  The depths, ancestors and paths
-        are worked out on the way (plain Python: cheaper than any array
-        operation at a tree's size) and the tensors made once each, on
-        ``like``'s device."""
+        are worked out from the same lists (:func:`derived_views`), every
+        tensor made once, on ``like``'s device."""
         n = max((len(r) for r in rows), default=0)
-        m = n + 1
-        tokens, parents, depths, ancestors, paths = [], [], [], [], []
-        for row in rows:
-            par = [-1] + [p for _, p in row] + [0] * (n - len(row))
-            depth = [0] * m
-            path = [[0]] + [None] * n
-            anc = [[False] * m for _ in range(m)]
-            anc[0][0] = True
-            for i in range(1, m):
-                p = par[i]
-                depth[i] = depth[p] + 1
-                path[i] = path[p] + [i]
-                for j in path[i]:
-                    anc[i][j] = True
-            tokens.append([t for t, _ in row] + [pad] * (n - len(row)))
-            parents.append(par)
-            depths.append(depth)
-            ancestors.append(anc)
-            paths.append(path)
-        most = max((max(d) for d in depths), default=0)
-        full = [[p + [p[-1]] * (most + 1 - len(p)) for p in row] for row in paths]
         device = like.device
         bsz = len(rows)
+        tokens = [[t for t, _ in row] + [pad] * (n - len(row)) for row in rows]
+        parents = [[-1] + [p for _, p in row] + [0] * (n - len(row)) for row in rows]
         tree = cls(torch.tensor(tokens, dtype=torch.long).view(bsz, n).to(device),
-                   torch.tensor(parents, dtype=torch.long).view(bsz, m).to(device),
+                   torch.tensor(parents, dtype=torch.long).view(bsz, n + 1).to(device),
                    None if lprobs is None else torch.tensor(
                        [list(r) + [-math.inf] * (n - len(r)) for r in lprobs], dtype=torch.float).view(bsz, n).to(device))
-        tree._cache.update(
-            depths=torch.tensor(depths, dtype=torch.long).view(bsz, m).to(device),
-            ancestors=torch.tensor(ancestors, dtype=torch.bool).view(bsz, m, m).to(device),
-            paths=torch.tensor(full, dtype=torch.long).view(bsz, m, most + 1).to(device),
-        )
+        tree._cache.update(derived_views(parents, device))
         return tree
-
-    def index_select(self, order: Tensor) -> "DraftTree":
-        return DraftTree(self.tokens.index_select(0, order), self.parents.index_select(0, order),
-                         None if self.lprobs is None else self.lprobs.index_select(0, order))
 
 
 def chain_tree(tokens: Tensor, lprobs: Optional[Tensor] = None) -> DraftTree:
@@ -214,7 +194,7 @@ def _universe(depth: int, width: int, device: str) -> Tuple[Tensor, Tensor, Tens
     return choices.to(device), parent.to(device), rank_at.to(device)
 
 
-#: the most combinations tree_from_candidates scores per row
+#: the most combinations tree_from_candidate_tensors scores per row
 UNIVERSE_LIMIT = 4096
 
 
@@ -265,7 +245,7 @@ def tree_from_candidate_tensors(tokens: Tensor, lprobs: Tensor, nodes: int, pad:
     drafter's probability of the whole prefix; a position's candidates do not
     depend on the choices before it).  A prefix never scores above its
     parent, so the best ``nodes`` form a tree (where equal scores leave a
-    node without its parent, the node is left as pad).  A pad candidate, or one after a drafted EOS, is
+    node without its parent, the node is left as pad).  A pad candidate is
     scored -inf and, if chosen, left as pad.  Tensor operations only (one
     small product): no host read."""
     bsz, k, width = tokens.shape
@@ -336,8 +316,6 @@ def tree_paths(tree: DraftTree, pad: int) -> List[List[Tuple[List[int], float]]]
     probability of that path under the drafter's log-probs)``, in slot order
     (parents first), pad nodes left out: what :func:`tree_from_paths` merges
     with other drafters' paths.  One host read of the tree."""
-    import math
-
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
     lprobs = tree.lprobs.tolist() if tree.lprobs is not None else None

@@ -45,6 +45,19 @@
 
 namespace {
 
+// fairseq's rules at one output step: NaN, the pad, the EOS before
+// min_len, and every token but the EOS at the length limit read -inf.
+struct Rules {
+  int64_t pad, eos;
+  bool no_eos, eos_only;
+  float masked(const float* row, int64_t v) const {
+    const float x = row[v];
+    if (std::isnan(x) || v == pad || (no_eos && v == eos) || (eos_only && v != eos))
+      return -std::numeric_limits<float>::infinity();
+    return x;
+  }
+};
+
 // The greedy pick of one slot: the index of the largest masked log-prob +
 // running, and whether it is unique.
 struct Pick {
@@ -53,22 +66,17 @@ struct Pick {
   bool unique;
 };
 
-inline Pick pick(const float* row, int64_t V, float running, int64_t pad, int64_t eos, bool no_eos, bool eos_only) {
+inline Pick pick(const float* row, int64_t V, float running, const Rules& rules) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  auto masked = [&](int64_t v) {
-    const float x = row[v];
-    if (std::isnan(x) || v == pad || (no_eos && v == eos) || (eos_only && v != eos)) return kNegInf;
-    return x;
-  };
-  if (eos_only) {  // every other token reads -inf: the EOS, unless it does too
-    const float x = masked(eos);
-    return {eos, x, V == 1 || x + running > kNegInf};
+  if (rules.eos_only) {  // every other token reads -inf: the EOS, unless it does too
+    const float x = rules.masked(row, rules.eos);
+    return {rules.eos, x, V == 1 || x + running > kNegInf};
   }
   float best = kNegInf;
   int64_t arg = -1;
   int64_t count = 0;
   for (int64_t v = 0; v < V; ++v) {
-    const float s = masked(v) + running;
+    const float s = rules.masked(row, v) + running;
     if (s > best) {
       best = s;
       arg = v;
@@ -78,17 +86,14 @@ inline Pick pick(const float* row, int64_t V, float running, int64_t pad, int64_
     }
   }
   if (arg < 0) return {0, kNegInf, V == 1};  // every sum -inf
-  return {arg, masked(arg), count == 1};
+  return {arg, rules.masked(row, arg), count == 1};
 }
 
 // The ``beta`` largest masked log-probs of a row (no running score), largest first.
-inline void top_values(const float* row, int64_t V, int64_t beta, int64_t pad, int64_t eos, bool no_eos,
-                       bool eos_only, std::vector<float>& top) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  top.assign(static_cast<size_t>(beta), kNegInf);
+inline void top_values(const float* row, int64_t V, int64_t beta, const Rules& rules, std::vector<float>& top) {
+  top.assign(static_cast<size_t>(beta), -std::numeric_limits<float>::infinity());
   for (int64_t v = 0; v < V; ++v) {
-    const float x = row[v];
-    if (std::isnan(x) || v == pad || (no_eos && v == eos) || (eos_only && v != eos)) continue;
+    const float x = rules.masked(row, v);
     if (x <= top[beta - 1]) continue;
     int64_t i = beta - 1;
     while (i > 0 && top[i - 1] < x) {
@@ -99,18 +104,17 @@ inline void top_values(const float* row, int64_t V, int64_t beta, int64_t pad, i
   }
 }
 
-// Whether ``token`` (masked log-prob x, finite) is among the row's ``beta``
+// Whether a token of masked log-prob x (finite) is among the row's ``beta``
 // largest as torch's top-k would say: 1 yes, 0 no, -1 undecided (values
 // equal to x straddle the beta-th place).
-inline int in_top(const float* row, int64_t V, int64_t beta, float x, const std::vector<float>& top, int64_t pad,
-                  int64_t eos, bool no_eos, bool eos_only) {
+inline int in_top(const float* row, int64_t V, int64_t beta, float x, const std::vector<float>& top,
+                  const Rules& rules) {
   const float kth = top[beta - 1];
   if (x > kth) return 1;
   if (x < kth) return 0;
   int64_t greater = 0, equal = 0;
   for (int64_t v = 0; v < V; ++v) {
-    const float y = row[v];
-    if (std::isnan(y) || v == pad || (no_eos && v == eos) || (eos_only && v != eos)) continue;
+    const float y = rules.masked(row, v);
     greater += y > x;
     equal += y == x;
   }
@@ -199,10 +203,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     int64_t slot = 0;
     // the verifier's greedy token at slot s (depth j), written as the row's
     // j-th token; not unique on a tie or a NaN running score
+    // fairseq's rules at output step len[r] + j
+    auto rules_at = [&](int64_t j) -> Rules {
+      const int64_t step = len[r] + j;
+      return {pad, eos, step < min_len, step >= max_len};
+    };
     auto verifier_token = [&](int64_t s, int64_t j) -> Pick {
       if (std::isnan(running[j])) return {0, 0.0f, false};
-      const int64_t step = len[r] + j;
-      const Pick p = pick(lp + (r * m + s) * V, V, running[j], pad, eos, step < min_len, step >= max_len);
+      const Pick p = pick(lp + (r * m + s) * V, V, running[j], rules_at(j));
       if (p.unique) {
         tokens[j] = p.token;
         tok_lprobs[j] = p.lprob;
@@ -222,18 +230,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         depth[c] = depth[p] + 1;
         if (!reach[p]) continue;
         const int64_t token = draft[c - 1];
-        const int64_t step = len[r] + depth[p];
-        const bool no_eos = step < min_len, eos_only = step >= max_len;
-        if (token < 0 || token >= V || token == pad || (no_eos && token == eos) || (eos_only && token != eos)) continue;
+        if (token < 0 || token >= V) continue;
+        const Rules rules = rules_at(depth[p]);
         const float* row = lp + (r * m + p) * V;
-        const float x = row[token];
+        const float x = rules.masked(row, token);
         if (!std::isfinite(x)) continue;
         std::vector<float>& top = tops[p];
         if (!have_top[p]) {
-          top_values(row, V, beta, pad, eos, no_eos, eos_only, top);
+          top_values(row, V, beta, rules, top);
           have_top[p] = 1;
         }
-        const int ranked = in_top(row, V, beta, x, top, pad, eos, no_eos, eos_only);
+        const int ranked = in_top(row, V, beta, x, top, rules);
         if (ranked < 0) return {new_tokens, new_lprobs, n_new, cum_out, counts, path_out, true};
         if (ranked == 1 && static_cast<double>(top[0] - x) <= tau) {
           reach[c] = 1;
