@@ -264,18 +264,24 @@ def probe_verifiers(toy_bin, tmp_path_factory):
 @pytest.mark.parametrize("variant", list(PROBE_VARIANTS))
 def test_probe_every_architecture_decodes_as_stock_beam1(toy_bin, probe_verifiers, variant, backend):
     """``--decoding loop-greedy`` and ``--decoding ngram`` (drafting from the
-    train split) through the generator fairseq-generate builds, at batch 1
+    train split; chains, and trees of 5 nodes in every row of the batch)
+    through the generator fairseq-generate builds, at batch 1
     and 8: every sentence's tokens are fairseq's ``--beam 1``'s.  (Scores
     may differ in the last digits: see docs/verify-kernels.md.)"""
     model, refs = probe_verifiers(variant)
-    for decoding in ("loop-greedy", "ngram"):
-        task, gen = generator(toy_bin, model, "--task", "draft_verify", "--decoding", decoding, *H.BACKEND_ARGS[backend])
+    # ngram's draft trees too: every node at its depth's position, the tree mask, the cache's path moved
+    tree = ("--draft-tree", "5", "--ngram-min-confidence", "0", "--draft-max-rows", "0")
+    for decoding, extra in (("loop-greedy", ()), ("ngram", ()), ("ngram", tree)):
+        task, gen = generator(toy_bin, model, "--task", "draft_verify", "--decoding", decoding, *extra,
+                              *H.BACKEND_ARGS[backend])
         assert type(gen).__name__ == "SpeculativeGenerator"
         for bsz in (1, 8):
             got = H.output_tokens(H.run_generator(gen, model, H.batches(task, "test", bsz)))
+            if extra:  # the trees were drafted and accepted from
+                assert gen.stats.iterations < gen.stats.tokens, (variant, backend, bsz)
             assert sorted(got) == sorted(refs[bsz]) == list(range(H.SPLIT_SIZES["test"]))
             for i in sorted(got):
                 assert got[i] == refs[bsz][i], (
-                    f"{variant}, {backend}, --decoding {decoding}, batch {bsz}, sentence {i}:\n"
+                    f"{variant}, {backend}, --decoding {decoding} {' '.join(extra)}, batch {bsz}, sentence {i}:\n"
                     f" beam 1: {refs[bsz][i]}\n got:    {got[i]}"
                 )
