@@ -68,25 +68,48 @@ def stock_interactive(toy_bin, ar_checkpoint):
                        stdin=stdin, plugin=False)
 
 
+@pytest.fixture(scope="module")
+def outputs_corpus(toy_bin, stock_interactive, tmp_path_factory):
+    """A data directory whose train split pairs the test sources with stock
+    --beam 1's outputs for them (the toy dictionaries): a corpus that holds
+    every continuation the verifier will choose, so that drafts from it are
+    accepted on any CPU, however the toy model trained there.  (The toy
+    corpus's own train split gave 2 accepted drafts in 428 iterations on one
+    machine and none on another.)"""
+    lines = source_lines(toy_bin)
+    hyps = H.parse_generate(stock_interactive.stdout)
+    work = tmp_path_factory.mktemp("outputs-corpus")
+    with open(work / f"train.{SRC}", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(work / f"train.{TGT}", "w") as f:
+        f.write("\n".join(hyps[i][1] for i in range(len(lines))) + "\n")
+    dest = work / "bin"
+    H.run([H.cli("fairseq-preprocess"), "--source-lang", SRC, "--target-lang", TGT, "--trainpref", work / "train",
+           "--srcdict", os.path.join(toy_bin, f"dict.{SRC}.txt"), "--tgtdict", os.path.join(toy_bin, f"dict.{TGT}.txt"),
+           "--destdir", dest, "--workers", "1"])
+    return str(dest)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(H.BACKEND_ARGS))
-def test_interactive_ngram_reads_the_data_directory_corpus(toy_bin, ar_checkpoint, stock_interactive, backend):
+def test_interactive_ngram_reads_the_data_directory_corpus(outputs_corpus, ar_checkpoint, stock_interactive,
+                                                           toy_bin, backend):
     """``--decoding ngram`` under fairseq-interactive drafts from the train
     split of the data directory (its positional argument): identical to stock
-    --beam 1, and drafts were accepted (the corpus was read)."""
+    --beam 1, and drafts were read and accepted (Tok. well above 1: the
+    corpus holds the outputs, so nearly every draft is right)."""
     lines = source_lines(toy_bin)
-    got = interactive(toy_bin, "--path", ar_checkpoint, "--decoding", "ngram", "--ngram-split", "train",
-                      "--ngram-min-confidence", "0", "--buffer-size", "8", "--batch-size", "8",
+    got = interactive(outputs_corpus, "--path", ar_checkpoint, "--decoding", "ngram", "--ngram-split", "train",
+                      "--ngram-min-confidence", "0", "--draft-max-rows", "0", "--buffer-size", "8", "--batch-size", "8",
                       *H.BACKEND_ARGS[backend], stdin="\n".join(lines) + "\n")
     assert_interactive_matches_stock(stock_interactive, got, len(lines))
     log = got.stdout + got.stderr
-    assert f"n-gram drafter: {H.SPLIT_SIZES['train']} sentences of split 'train'" in log, log[-3000:]
+    assert f"n-gram drafter: {len(lines)} sentences of split 'train'" in log, log[-3000:]
     # the statistics (cumulative over the buffers): every line decoded, and
-    # with the confidence cut off (the toy words are random, so few
-    # continuations are sure) drafts from the corpus were accepted
+    # many more tokens than iterations
     stats = STATS.findall(log)
     assert stats and int(stats[-1][1]) == len(lines), stats
-    assert float(stats[-1][2]) > 1.0, stats
+    assert float(stats[-1][2]) > 1.5, stats
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ class SpecDecStats:
         hist = " ".join(f"{n}:{self.histogram[n]}" for n in sorted(self.histogram))
         return (
             f"{self.name}: {self.sentences} sentences, {self.tokens} tokens (EOS included), "
-            f"{self.iterations} iterations, Tok. {self.mean_accepted:.2f}, "
+            f"{self.iterations} iterations, Tok. {self.mean_accepted:.4f}, "
             f"{self.iterations / max(self.sentences, 1):.2f} iterations/sentence; "
             f"tokens added per iteration (count:iterations) {hist}"
         )
