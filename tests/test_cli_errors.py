@@ -4,6 +4,7 @@ Most checks run in-process through ``task.build_generator`` (what
 fairseq-generate calls); a few run the real fairseq-generate.
 """
 import os
+import re
 import shutil
 
 import pytest
@@ -445,3 +446,62 @@ def test_min_len_over_a_batch_limit_is_refused_by_name(toy_bin, untrained_verifi
         H.run_generator(gen, untrained_verifier[0], H.batches(task, "test", 1)[:1])
     msg = str(err.value)
     assert all(n in msg for n in ("--min-len 100", "--max-len-a 1", "--max-len-b 0")), msg
+
+
+# ---- a strict decoding never relaxes; refusals leave files alone; messages name the decoding
+
+
+def _decodings(relaxed):
+    from fairseq_specdec.generation.registry import DECODINGS
+
+    return sorted(name for name, d in DECODINGS.items() if d.relaxed == relaxed)
+
+
+@pytest.mark.parametrize("decoding", _decodings(relaxed=False))
+@pytest.mark.parametrize("relaxed", [["--verify-beta", "3", "--verify-tau", "1"], ["--verify-beta", "2"]],
+                         ids=["b3t1", "b2"])
+def test_strict_decoding_refuses_relaxed_verification(toy_bin, untrained_verifier, decoding, relaxed):
+    """A decoding registered as always strict (docs/options.md says so, from
+    the same registry field) refuses --verify-beta > 1 by name, before its
+    drafter is built (no corpus or drafter is needed to be refused)."""
+    with pytest.raises(ValueError, match=rf"--decoding {re.escape(decoding)} is always strict.*--verify-beta"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", decoding, *relaxed)
+
+
+@pytest.mark.parametrize("decoding", _decodings(relaxed=False) + _decodings(relaxed=True))
+def test_every_decoding_takes_strict_verification_options(decoding):
+    """--verify-beta 1 is strict whatever --verify-tau says: no decoding
+    refuses it (checked on the rule the builder makes)."""
+    from fairseq_specdec.generation.acceptance import StrictAcceptance, build_acceptance
+    from fairseq_specdec.generation.build import check_strictness
+    from fairseq_specdec.generation.registry import get_decoding
+
+    rule = build_acceptance(1, 5.0, "verifier")
+    assert isinstance(rule, StrictAcceptance)
+    check_strictness(get_decoding(decoding), rule)
+
+
+def test_relaxed_decodings_build_a_relaxed_rule(toy_bin, untrained_verifier):
+    """The decodings that take relaxed verification build it (self-draft
+    needs no drafter file)."""
+    assert "self-draft" in _decodings(relaxed=True)
+    gen = build(toy_bin, [untrained_verifier[0]], "--decoding", "self-draft", "--verify-beta", "3", "--verify-tau", "1")
+    assert (gen.acceptance.beta, gen.acceptance.tau) == (3, 1.0)
+
+
+@pytest.mark.parametrize("bad", [["--draft-tree", "-1"], ["--draft-max-rows", "-1"], ["--block-size", "0"]],
+                         ids=["draft-tree", "draft-max-rows", "block-size"])
+def test_refused_run_leaves_the_statistics_file_alone(toy_bin, untrained_verifier, tmp_path, bad):
+    """Every refusal comes before --specdec-stats is opened: an existing
+    file keeps its contents."""
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text('{"id": 0}\n')
+    with pytest.raises(ValueError):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy" if bad[0] != "--block-size" else "ngram",
+              "--specdec-stats", str(stats), *bad)
+    assert stats.read_text() == '{"id": 0}\n'
+
+
+def test_missing_drafter_message_names_the_decoding_asked_for(toy_bin, untrained_verifier):
+    with pytest.raises(ValueError, match=r"--decoding ngram\+draft-verify needs a drafter"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "ngram+draft-verify")

@@ -263,21 +263,24 @@ def probe_verifiers(toy_bin, tmp_path_factory):
 @pytest.mark.parametrize("backend", list(H.BACKEND_ARGS))
 @pytest.mark.parametrize("variant", list(PROBE_VARIANTS))
 def test_probe_every_architecture_decodes_as_stock_beam1(toy_bin, probe_verifiers, variant, backend):
-    """``--decoding loop-greedy`` and ``--decoding ngram`` (drafting from the
-    train split; chains, and trees of 5 nodes in every row of the batch)
+    """``--decoding loop-greedy``, ``--decoding ngram`` (drafting from the
+    train split; chains, and trees of 5 nodes in every row of the batch) and
+    ``--decoding self-draft`` (the architecture's own int8 copy drafting)
     through the generator fairseq-generate builds, at batch 1
     and 8: every sentence's tokens are fairseq's ``--beam 1``'s.  (Scores
     may differ in the last digits: see docs/verify-kernels.md.)"""
     model, refs = probe_verifiers(variant)
     # ngram's draft trees too: every node at its depth's position, the tree mask, the cache's path moved
     tree = ("--draft-tree", "5", "--ngram-min-confidence", "0", "--draft-max-rows", "0")
-    for decoding, extra in (("loop-greedy", ()), ("ngram", ()), ("ngram", tree)):
+    # the int8 copy of each architecture drafts (every row, no confidence cut)
+    self_draft = ("--draft-max-rows", "0", "--draft-min-confidence", "0")
+    for decoding, extra in (("loop-greedy", ()), ("ngram", ()), ("ngram", tree), ("self-draft", self_draft)):
         task, gen = generator(toy_bin, model, "--task", "draft_verify", "--decoding", decoding, *extra,
                               *H.BACKEND_ARGS[backend])
         assert type(gen).__name__ == "SpeculativeGenerator"
         for bsz in (1, 8):
             got = H.output_tokens(H.run_generator(gen, model, H.batches(task, "test", bsz)))
-            if extra:  # the trees were drafted and accepted from
+            if extra:  # the trees (the copy's chains) were drafted and accepted from
                 assert gen.stats.iterations < gen.stats.tokens, (variant, backend, bsz)
             assert sorted(got) == sorted(refs[bsz]) == list(range(H.SPLIT_SIZES["test"]))
             for i in sorted(got):

@@ -28,9 +28,13 @@ weights), on ``--threads`` threads (default 1):
   tree (node i's parent is node (i - 1) // 2), each node attending to its
   ancestors only (the tree mask of the verify pass).
 
+* one step of ``--decoding self-draft``'s int8 copy (a pass of 1 token):
+  int8 panels in the fused C++ layers, and torch's int8 library, each
+  timed beside the float32 pass of 1 token.
+
 ``--json`` prints one object, among others ``{"verify_ms": {"1": ..., "2":
-..., ...}, "tree_ms": {"1": ..., "4": ..., "8": ...}}`` for the products
-``--specdec-backend auto`` uses.
+..., ...}, "tree_ms": {"1": ..., "4": ..., "8": ...}, "draft_int8_ms": ...}``
+for the products ``--specdec-backend auto`` uses.
 """
 import argparse
 import json
@@ -154,14 +158,15 @@ def random_verifier(shape: Dict, seed: int = 1):
 class _PassBench:
     """A lean verifier at batch 1 over a fixed prefix, ready to run passes of m tokens."""
 
-    def __init__(self, model, gemm: str, prefix: int, src_len: int):
+    def __init__(self, model, gemm: str, prefix: int, src_len: int, precision: str = "float32"):
         import torch
 
         from ..generation.lean_verifier import LeanVerifier
         from ..generation.state import DecodingState
 
         self.model = model
-        self.verifier = LeanVerifier(model, gemm=gemm)
+        self.verifier = LeanVerifier(model, gemm=gemm, precision=precision,
+                                     fused_layers=gemm == "rowgemm", encoder="auto" if gemm == "rowgemm" else "fairseq")
         vocab = len(model.decoder.dictionary)
         g = torch.Generator().manual_seed(0)
         src = torch.randint(4, vocab, (1, src_len), generator=g)
@@ -289,7 +294,40 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
     chosen = result["by_gemm"][default] if default in result["by_gemm"] else next(iter(result["by_gemm"].values()))
     result["verify_ms"] = chosen["verify_ms"]
     result["tree_ms"] = chosen["tree_ms"]
+    result.update(int8_draft_step(model, default, prefix, src_len, seconds))
     return result
+
+
+def int8_draft_step(model, gemm: str, prefix: int, src_len: int, seconds: float = 1.0) -> Dict:
+    """One step of ``--decoding self-draft``'s int8 copy (a pass of 1
+    token), timed interleaved with the float32 verify pass of 1 token on
+    ``gemm``: ``draft_int8_ms`` (the products the decoding uses here:
+    ``draft_int8_products``), ``draft_int8_verify_ms``, their ratio, and
+    each kind of int8 products that runs here in ``draft_int8_by_products``
+    (``native``: int8 panels in the fused C++ layers; ``library``: torch's
+    quantized dynamic linears)."""
+    import torch
+
+    from ..generation.self_draft import native_int8
+    from ..utils.int8 import int8_unavailable_reason
+
+    benches = {}
+    with torch.no_grad():
+        if native_int8(True, model):
+            benches["native"] = _PassBench(model, "rowgemm", prefix, src_len, precision="int8")
+        if int8_unavailable_reason() is None:
+            benches["library"] = _PassBench(model, "torch-int8", prefix, src_len)
+        if not benches:
+            return {"draft_int8_ms": None, "draft_int8_reason": int8_unavailable_reason()}
+        verify = _PassBench(model, gemm, prefix, src_len)
+        fns = {name: (lambda b=b: b.run(1)) for name, b in benches.items()}
+        fns["verify"] = lambda: verify.run(1)
+        timed = interleaved_best_ms(fns, seconds)
+    used = "native" if "native" in benches else "library"
+    return {"draft_int8_ms": round(timed[used], 4), "draft_int8_products": used,
+            "draft_int8_verify_ms": round(timed["verify"], 4),
+            "draft_int8_ratio_to_verify": round(timed[used] / timed["verify"], 3),
+            "draft_int8_by_products": {name: round(timed[name], 4) for name in benches}}
 
 
 def format_report(name: str, result: Dict) -> str:
@@ -321,6 +359,15 @@ def format_report(name: str, result: Dict) -> str:
         tree = ", ".join(f"{n} nodes: {rows['tree_ms'][n]:.3f} ms ({rows['tree_ratio_to_1'][n]:.2f}x)"
                          for n in rows["tree_ms"])
         lines.append(f"draft-tree pass ({gemm}; binary tree, the root included): {tree}")
+    lines.append("")
+    if result.get("draft_int8_ms") is None:
+        lines.append(f"int8 draft step (--decoding self-draft): not available: {result.get('draft_int8_reason')}")
+    else:
+        kinds = ", ".join(f"{k} {v:.3f} ms" for k, v in result["draft_int8_by_products"].items())
+        lines.append(f"int8 draft step (--decoding self-draft, 1 token, {result['draft_int8_products']} products): "
+                     f"{result['draft_int8_ms']:.3f} ms, {result['draft_int8_ratio_to_verify']:.2f}x of the float32 "
+                     f"verify pass of 1 token ({result['draft_int8_verify_ms']:.3f} ms, timed beside it); by products: "
+                     f"{kinds}")
     return "\n".join(lines)
 
 

@@ -9,13 +9,14 @@ import os
 from fairseq import checkpoint_utils
 
 from ..utils.dictionary import check_same_dictionary, dictionary_fingerprint
-from .acceptance import build_acceptance
+from .acceptance import StrictAcceptance, build_acceptance
 from .backend import resolve_backend
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .combined import CombinedDrafter
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
-from .registry import BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
+from .self_draft import SelfDrafter
+from .registry import DECODINGS, BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .speculative import DecodeSettings, DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
@@ -125,7 +126,7 @@ def _model_drafter(ctx: DrafterContext):
         model, source = load_drafter(task, cfg.drafter_path, verifier), f"--drafter-path {cfg.drafter_path}"
     else:
         raise ValueError(
-            "--decoding draft-verify needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
+            f"--decoding {cfg.decoding} needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
         )
     # drafters built in-process never pass through load_state_dict's check
     check_same_dictionary(
@@ -202,6 +203,19 @@ def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})", tree_nodes=COMBINED_TREE_NODES)
 
 
+#: --decoding self-draft's k when --block-size is not given (chosen on the valid split: docs/self-draft.md)
+SELF_DRAFT_BLOCK_SIZE = 8
+
+
+def _self_drafter(ctx: DrafterContext) -> BuiltDrafter:
+    _no_drafter_model(ctx, "drafts with the verifier's own int8 copy")
+    tgt = ctx.task.target_dictionary
+    drafter = SelfDrafter(ctx.verifier, tgt.pad(), tgt.eos(), ctx.cfg.draft_min_confidence,
+                          native=ctx.backend.drafting.products)
+    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else SELF_DRAFT_BLOCK_SIZE
+    return BuiltDrafter(drafter, block_size, drafter.describe())
+
+
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "never drafts")
     k = ctx.cfg.block_size
@@ -249,6 +263,12 @@ BUILTIN_DECODINGS = (
         bench_label="n-gram + specdec_vsd tree",
     ),
     Decoding(
+        "self-draft",
+        "drafts with an int8 copy of the verifier itself, made when the model is loaded (CPU; "
+        "nothing to train, no extra file); the float32 verifier checks every draft",
+        _self_drafter, bench_label="int8 self-draft",
+    ),
+    Decoding(
         "loop-greedy",
         "no drafter: greedy decoding through the speculative loop, one verifier token per "
         "iteration (separates the loop's own speed from speculation's)",
@@ -278,6 +298,20 @@ def draft_max_rows(value, verifier):
     return value or None
 
 
+def check_strictness(decoding: Decoding, acceptance) -> None:
+    """Refuse relaxed verification (``--verify-beta`` > 1) for a decoding
+    registered as always strict (``Decoding.relaxed`` False: its output is
+    ``--beam 1``'s, as docs/options.md says), before anything is built."""
+    if decoding.relaxed or isinstance(acceptance, StrictAcceptance):
+        return
+    takes = ", ".join(d.name for d in DECODINGS.values() if d.relaxed)
+    raise ValueError(
+        f"--decoding {decoding.name} is always strict (its output is --beam 1's): relaxed verification "
+        f"(--verify-beta {acceptance.beta}, --verify-tau {acceptance.tau}) does not apply to it; drop "
+        f"--verify-beta/--verify-tau, or choose a decoding that takes them ({takes})"
+    )
+
+
 def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     """The generator of ``--decoding`` (a registered decoding), every option
     checked here, once."""
@@ -286,6 +320,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
     cfg = task.cfg
     verifier, drafters = _split_models(task, models)
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
+    check_strictness(decoding, acceptance)
     temperature, unk_penalty = getattr(args, "temperature", 1.0), getattr(args, "unkpen", 0)
     backend = resolve_backend(str(getattr(cfg, "specdec_backend", "auto")), verifier, acceptance, temperature,
                               unk_penalty)
@@ -298,7 +333,6 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             f"--block-size {built.block_size}: the drafter ({built.description}) drafts at most "
             f"{most} tokens per pass (its --max-block); give --block-size {most} or less"
         )
-    stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding, append=task.stats_file_started(cfg.specdec_stats))
     settings = DecodeSettings(
         block_size=built.block_size,
         max_len_a=getattr(args, "max_len_a", 0),
@@ -316,8 +350,12 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         ),
         tree_nodes=built.tree_nodes if getattr(cfg, "draft_tree", None) is None else cfg.draft_tree,
     )
-    generator = SpeculativeGenerator(backend, built.drafter, acceptance, task.target_dictionary, settings, stats,
+    generator = SpeculativeGenerator(backend, built.drafter, acceptance, task.target_dictionary, settings, None,
                                      task.sentence_counter)
+    # the statistics file is opened (and an old one truncated) only now that
+    # every option has been checked: a refused run leaves it as it was
+    generator.stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding,
+                                   append=task.stats_file_started(cfg.specdec_stats))
     tree = f", draft trees of {settings.tree_nodes} nodes" if settings.tree_nodes else ""
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}{tree}, acceptance {acceptance!r}, "

@@ -30,13 +30,15 @@ from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..kernels import rowgemm
+from ..utils.int8 import Int8Linear, int8_unavailable_reason
 from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears, transposed_linear
 from ..utils.encoder_out import encoder_states
 from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
 
-#: how the lean pass computes its matrix products (the backend chooses)
-VERIFY_GEMMS = ("auto", "rowgemm", "torch")
+#: how the lean pass computes its matrix products (the backend chooses;
+#: ``torch-int8``: torch's quantized library, for the self-drafting copy only)
+VERIFY_GEMMS = ("auto", "rowgemm", "torch", "torch-int8")
 
 #: how the lean pass runs the verifier's encoder (the backend chooses)
 ENCODER_IMPLS = ("auto", "lean", "fairseq")
@@ -76,6 +78,13 @@ def resolve_gemm(gemm: str, weight: Tensor) -> str:
         raise ValueError(f"the lean pass's products must be one of {', '.join(VERIFY_GEMMS)}, got {gemm!r}")
     if gemm == "torch":
         return "torch"
+    if gemm == "torch-int8":
+        reason = int8_unavailable_reason()
+        if reason is None and (weight.device.type != "cpu" or not weight.is_floating_point()):
+            reason = f"the weights are {weight.dtype} on {weight.device} (it needs them on the CPU)"
+        if reason is not None:
+            raise ValueError(f"the int8 products cannot run: {reason}")
+        return "torch-int8"
     if gemm == "rowgemm":
         reason = rowgemm.unavailable_reason()
         if reason is None and not rowgemm.applies_to(weight):
@@ -100,11 +109,16 @@ class _TorchLinear:
         return self.activation(out) if self.activation is not None else out
 
 
-def make_linear(weight: Tensor, bias: Optional[Tensor], gemm: str, relu: bool = False):
+def make_linear(weight: Tensor, bias: Optional[Tensor], gemm: str, relu: bool = False, precision: str = "float32"):
     """A callable ``x -> F.linear(x, weight, bias)`` (then ReLU if ``relu``)
-    for ``gemm`` (``rowgemm`` or ``torch``), its weight laid out once."""
+    for ``gemm`` (``rowgemm``, ``torch`` or ``torch-int8``), its weight laid
+    out once; ``precision`` (``rowgemm`` only): the packed weights' element
+    type (:data:`~fairseq_specdec.kernels.rowgemm.PRECISIONS`).  Anything but
+    float32 products computes an approximation: for drafting copies only."""
     if gemm == "rowgemm":
-        return rowgemm.PackedLinear(weight, bias, "relu" if relu else None)
+        return rowgemm.PackedLinear(weight, bias, "relu" if relu else None, precision)
+    if gemm == "torch-int8":
+        return Int8Linear(weight, bias, relu)
     return _TorchLinear(weight, bias, F.relu if relu else None)
 
 
@@ -128,7 +142,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, bsz: int, heads: int, added
 class _Layer:
     """One decoder layer's weights, gathered and laid out once for ``gemm``."""
 
-    def __init__(self, layer, gemm: str, fuse: bool = True):
+    def __init__(self, layer, gemm: str, fuse: bool = True, precision: str = "float32"):
         sa, ca = layer.self_attn, layer.encoder_attn
         self.heads = sa.num_heads
         self.head_dim = sa.head_dim
@@ -138,13 +152,13 @@ class _Layer:
         self.c_head_dim = ca.head_dim
         self.normalize_before = layer.normalize_before
         def linear(module, relu=False):
-            return make_linear(module.weight, module.bias, gemm, relu)
+            return make_linear(module.weight, module.bias, gemm, relu, precision)
 
-        self.qkv = make_linear(*cat_linears([sa.q_proj, sa.k_proj, sa.v_proj]), gemm)
+        self.qkv = make_linear(*cat_linears([sa.q_proj, sa.k_proj, sa.v_proj]), gemm, precision=precision)
         self.sa_out = linear(sa.out_proj)
         self.sa_ln = layer.self_attn_layer_norm
         self.ca_q = linear(ca.q_proj)
-        self.ca_kv = make_linear(*cat_linears([ca.k_proj, ca.v_proj]), gemm)
+        self.ca_kv = make_linear(*cat_linears([ca.k_proj, ca.v_proj]), gemm, precision=precision)
         self.ca_out = linear(ca.out_proj)
         self.ca_ln = layer.encoder_attn_layer_norm
         # ReLU is fused into the first feed-forward product (the same values)
@@ -206,13 +220,19 @@ class LeanVerifier(VerifyPass):
     impl = "lean"
 
     def __init__(self, model, temperature: float = 1.0, gemm: str = "auto", encoder: str = "auto",
-                 fused_layers: bool = True):
+                 fused_layers: bool = True, precision: str = "float32"):
+        """``precision``: the element type of the packed weights of the
+        ``rowgemm`` products (float32 for a verifier; ``int8`` for the
+        int8 copy that drafts in ``--decoding self-draft``)."""
         super().__init__(model, temperature)
         reason = lean_unsupported_reason(self.decoder)
         if reason is not None:
             raise ValueError(f"the lean verify pass cannot run this verifier: {reason}")
         #: ``rowgemm`` or ``torch``: how the matrix products are computed
         self.gemm = resolve_gemm(gemm, next(self.decoder.parameters()))
+        if precision != "float32" and self.gemm != "rowgemm":
+            raise ValueError(f"{precision} weights need the rowgemm products, and the pass computes with {self.gemm}")
+        self.precision = precision
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
         self.project_out: Optional[object] = None  # the decoder's project_out_dim, laid out for gemm
         self.layers = []
@@ -262,13 +282,14 @@ class LeanVerifier(VerifyPass):
         any changed since the last batch (a model trained in between)."""
         super().start()
         if self._weights.changed(self._laid_out_weights()):
-            self.layers = [_Layer(layer, self.gemm, self.fused_layers) for layer in self.decoder.layers]
+            self.layers = [_Layer(layer, self.gemm, self.fused_layers, self.precision) for layer in self.decoder.layers]
             if self._projection is not None:
                 proj = self.decoder.output_projection
-                self.output = make_linear(proj.weight, proj.bias, self.gemm)
+                self.output = make_linear(proj.weight, proj.bias, self.gemm, precision=self.precision)
             out_dim = self.decoder.project_out_dim
             # --decoder-output-dim: laid out as the other products, not a few-row F.linear per pass
-            self.project_out = make_linear(out_dim.weight, out_dim.bias, self.gemm) if out_dim is not None else None
+            self.project_out = (make_linear(out_dim.weight, out_dim.bias, self.gemm, precision=self.precision)
+                                if out_dim is not None else None)
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None
@@ -281,7 +302,7 @@ class LeanVerifier(VerifyPass):
         return self.gemm == "rowgemm" and self.fused_layers and all(fusable_layer(layer) for layer in self.decoder.layers)
 
     def describe(self) -> str:
-        parts = [f"{self.gemm} products"]
+        parts = [f"{self.gemm} products" + (f" ({self.precision} weights)" if self.precision != "float32" else "")]
         if self.fused:
             parts.append("fused C++ layers")
         if self.lean_encoder is not None:

@@ -26,6 +26,12 @@ pass waits for memory (docs/verify-kernels.md).  A drafter that rounds
 differently drafts differently, which a strict verification only rejects;
 the verifier's products always read float32 panels.
 
+**int8 panels** (``precision="int8"``, the int8 copy of ``--decoding
+self-draft`` only): each weight row quantized symmetrically to int8 with its
+own scale (its largest magnitude / 127), a quarter of the bytes; the kernel
+widens each element exactly to float32, sums in order as above, and
+multiplies each column by its scale before the bias (``csrc/rowgemm.cpp``).
+
 The extension is built at install (``setup.py``) and is optional:
 :func:`unavailable_reason` says why it cannot be used, and callers fall back
 to torch's products.
@@ -46,7 +52,7 @@ ROW_BLOCK = 8
 ACTIVATIONS = {None: 0, "relu": 1}
 
 #: element types of packed weights (:class:`PackedLinear`'s ``precision``)
-PRECISIONS = ("float32", "bfloat16")
+PRECISIONS = ("float32", "bfloat16", "int8")
 
 
 def fitting_block(weight: Tensor, k: int, most: int) -> int:
@@ -57,6 +63,11 @@ def fitting_block(weight: Tensor, k: int, most: int) -> int:
     return max(1, min(k, most, ROW_BLOCK - 1)) if applies_to(weight) else k
 
 
+def int8_available() -> bool:
+    """Whether the kernel runs here with int8 panels (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "pack_i8")
+
+
 def bfloat16_available() -> bool:
     """Whether the kernel runs here with bfloat16 panels (an older build may not)."""
     return unavailable_reason() is None and hasattr(_ext, "pack_bf16")
@@ -65,7 +76,7 @@ def bfloat16_available() -> bool:
 class PackedLinear:
     """``F.linear(x, weight, bias)`` (then ``activation``) through the
     row-blocked kernel, with ``weight`` packed once at construction, in
-    float32 or rounded to bfloat16 (``precision``, one of
+    float32, rounded to bfloat16 or quantized to int8 (``precision``, one of
     :data:`PRECISIONS`; the bias, the inputs and the sums stay float32).
 
     A snapshot: it does not see later changes to ``weight`` (its owner
@@ -82,13 +93,13 @@ class PackedLinear:
             raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if precision == "bfloat16" and not bfloat16_available():
-            raise RuntimeError("the C++ extension fairseq_specdec.kernels._native has no bfloat16 panels (an older build); "
-                               "reinstall the plugin")
+        if (precision == "bfloat16" and not bfloat16_available()) or (precision == "int8" and not int8_available()):
+            raise RuntimeError(f"the C++ extension fairseq_specdec.kernels._native has no {precision} panels (an older "
+                               "build); reinstall the plugin")
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.precision = precision
-        pack = _ext.pack_bf16 if precision == "bfloat16" else _ext.pack
+        pack = {"float32": _ext.pack, "bfloat16": _ext.pack_bf16, "int8": getattr(_ext, "pack_i8", None)}[precision]
         self.packed = pack(weight.float().contiguous())
         self.bias = _ext.pack_bias(bias.detach().float().contiguous()) if bias is not None else None
         self.activation = ACTIVATIONS[activation]

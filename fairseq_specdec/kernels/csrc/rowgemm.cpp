@@ -27,6 +27,14 @@
 // with W replaced by its rounded copy.  For drafters only: a draft that
 // rounds differently is at most rejected, while the verifier's products
 // always read float32 panels.
+//
+// Or in int8 (pack_i8, the int8 copy of --decoding self-draft): each weight
+// row n quantized symmetrically, q = round(W[n][k] / s[n]) with s[n] =
+// max_k |W[n][k]| / 127; a panel is [K][8] int8 followed by its 8 scales as
+// float32 (4 more k-rows of bytes: [P][K + 4][8] int8).  A block widens each
+// int8 exactly to float32, sums x[i][k] * q[n][k] in order as above, then
+// multiplies by s[n] before the bias: W is replaced by q * s, a quarter of
+// the bytes to stream.  Drafting only, like bfloat16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -34,6 +42,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -81,6 +90,11 @@ bool cpu_supported() {
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const float* w) {
   return _mm256_loadu_ps(w);
 }
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const int8_t* w) {
+  // 8 int8 widened exactly to float32
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const uint16_t* w) {
   // a bfloat16 is the high half of the float32 with the same bits: exact
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -116,6 +130,12 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
   }
   alignas(32) float out[R * NV * kLanes];
   const __m256 zero = _mm256_setzero_ps();
+  if constexpr (std::is_same_v<WT, int8_t>) {
+    // int8 panels: each column's sum times its row scale (after the panel's K k-rows)
+#pragma GCC unroll 16
+    for (int a = 0; a < R * NV; ++a)
+      acc[a] = _mm256_mul_ps(acc[a], _mm256_loadu_ps(reinterpret_cast<const float*>(w + (a % NV) * panel_stride + K * kLanes)));
+  }
 #pragma GCC unroll 16
   for (int a = 0; a < R * NV; ++a) {
     __m256 r = acc[a];
@@ -158,11 +178,21 @@ void rows_block(int rows, const float* xt, int64_t K, const WT* w, int64_t panel
 }
 #endif
 
+// k-rows of a panel after its K weights: an int8 panel's 8 float32 scales
+constexpr int64_t kScaleRows = 4;
+
+// the input features K of a packed weight (an int8 one holds its scales too)
+int64_t in_features(const torch::Tensor& packed) {
+  return packed.size(1) - (packed.scalar_type() == torch::kChar ? kScaleRows : 0);
+}
+
 void check_packed(const torch::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes, "rowgemm: packed weight must be [panels][K][8]");
-  TORCH_CHECK((packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16) &&
+  TORCH_CHECK((packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16 ||
+               packed.scalar_type() == torch::kChar) &&
                   packed.is_contiguous() && packed.device().is_cpu(),
-              "rowgemm: packed weight must be a contiguous float32 or bfloat16 CPU tensor");
+              "rowgemm: packed weight must be a contiguous float32, bfloat16 or int8 CPU tensor");
+  TORCH_CHECK(in_features(packed) >= 0, "rowgemm: an int8 packed weight lacks its scales");
   TORCH_CHECK(packed.size(0) == (out_features + kLanes - 1) / kLanes, "rowgemm: packed weight has the wrong panel count");
 }
 
@@ -185,6 +215,21 @@ torch::Tensor pack(const torch::Tensor& weight) {
 // the same panels in bfloat16: each weight rounded to nearest, ties to even
 torch::Tensor pack_bf16(const torch::Tensor& weight) {
   return pack(weight).to(torch::kBFloat16);
+}
+
+// int8 panels with their scales: [P][K + 4][8] int8 (see the top of the file)
+torch::Tensor pack_i8(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.device().is_cpu(),
+              "rowgemm.pack_i8: weight must be a 2-D float32 CPU tensor");
+  const int64_t N = weight.size(0);
+  const int64_t P = (N + kLanes - 1) / kLanes;
+  auto scales = std::get<0>(weight.abs().max(1)).div(127.0f).clamp_min(1e-12f);
+  auto q = weight.div(scales.unsqueeze(1)).round().clamp(-127.0f, 127.0f);
+  auto panels = pack(q).to(torch::kChar);  // [P][K][8], exact: integers within int8
+  auto padded = torch::ones({P * kLanes}, weight.options());
+  padded.narrow(0, 0, N).copy_(scales);
+  auto scale_rows = padded.view({P, kLanes}).view(torch::kChar).view({P, kScaleRows, kLanes});
+  return torch::cat({panels, scale_rows}, 1).contiguous();
 }
 
 // bias: N -> P*8 zero padded (or an empty tensor for none)
@@ -229,7 +274,7 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
     }
   }
   const float* xd = xt.data();
-  const int64_t panel_stride = K * kLanes;
+  const int64_t panel_stride = (K + (std::is_same_v<WT, int8_t> ? kScaleRows : 0)) * kLanes;
   const int64_t nblocks = (P + block_panels - 1) / block_panels;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -262,6 +307,8 @@ void linear_packed(const float* xs, int64_t m, int64_t K, const torch::Tensor& p
                    float* yd, int64_t N, int64_t ldy) {
   if (packed.scalar_type() == torch::kBFloat16)
     linear_raw(xs, m, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0), b, act, yd, N, ldy);
+  else if (packed.scalar_type() == torch::kChar)
+    linear_raw(xs, m, K, packed.data_ptr<int8_t>(), packed.size(0), b, act, yd, N, ldy);
   else
     linear_raw(xs, m, K, packed.data_ptr<float>(), packed.size(0), b, act, yd, N, ldy);
 }
@@ -283,7 +330,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed, int
   TORCH_CHECK(cpu_supported(), "rowgemm: this CPU has no AVX2/FMA");
   check_packed(packed, out_features);
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat && x_in.device().is_cpu(), "rowgemm: x must be float32 on the CPU");
-  const int64_t K = packed.size(1);
+  const int64_t K = in_features(packed);
   TORCH_CHECK(x_in.size(-1) == K, "rowgemm: x has ", x_in.size(-1), " features, the weight ", K);
   TORCH_CHECK(activation == 0 || activation == 1, "rowgemm: activation must be 0 (none) or 1 (relu)");
   const float* b = bias_ptr(bias, packed);
@@ -384,7 +431,7 @@ void weighted_values(const float* p, const float* v, int64_t L, int64_t stride, 
 #endif
 
 struct Packed {
-  const torch::Tensor* w;  // float32 or bfloat16 panels
+  const torch::Tensor* w;  // float32, bfloat16 or int8 panels
   const float* b;
   int64_t N;
 };
@@ -396,7 +443,7 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const Packed& p, int act,
 
 Packed packed_of(const torch::Tensor& packed, const torch::Tensor& bias, int64_t out_features, int64_t K) {
   check_packed(packed, out_features);
-  TORCH_CHECK(packed.size(1) == K, "decoder_layer: a packed weight has ", packed.size(1), " input features, expected ", K);
+  TORCH_CHECK(in_features(packed) == K, "decoder_layer: a packed weight has ", in_features(packed), " input features, expected ", K);
   TORCH_CHECK(bias.numel() == packed.size(0) * kLanes && bias.is_contiguous() && bias.scalar_type() == torch::kFloat,
               "decoder_layer: every bias must come from pack_bias");
   return {&packed, bias.data_ptr<float>(), out_features};
@@ -574,7 +621,7 @@ torch::Tensor decoder_layer(
   }
   const Packed qkv = packed_of(qkv_w, qkv_b, 3 * C, C), sa_out = packed_of(sa_out_w, sa_out_b, C, C);
   const Packed ca_q = packed_of(ca_q_w, ca_q_b, C, C), ca_out = packed_of(ca_out_w, ca_out_b, C, C);
-  const int64_t F = fc2_w.size(1);
+  const int64_t F = in_features(fc2_w);
   const Packed fc1 = packed_of(fc1_w, fc1_b, F, C), fc2 = packed_of(fc2_w, fc2_b, C, F);
   check_vector(sa_ln_w, C, "sa_ln_w"); check_vector(sa_ln_b, C, "sa_ln_b");
   check_vector(ca_ln_w, C, "ca_ln_w"); check_vector(ca_ln_b, C, "ca_ln_b");
@@ -645,7 +692,7 @@ torch::Tensor encoder_layer(
     pad = key_pad->data_ptr<bool>();
   }
   const Packed qkv = packed_of(qkv_w, qkv_b, 3 * C, C), sa_out = packed_of(sa_out_w, sa_out_b, C, C);
-  const int64_t F = fc2_w.size(1);
+  const int64_t F = in_features(fc2_w);
   const Packed fc1 = packed_of(fc1_w, fc1_b, F, C), fc2 = packed_of(fc2_w, fc2_b, C, F);
   check_vector(sa_ln_w, C, "sa_ln_w"); check_vector(sa_ln_b, C, "sa_ln_b");
   check_vector(final_ln_w, C, "final_ln_w"); check_vector(final_ln_b, C, "final_ln_b");
@@ -777,7 +824,7 @@ std::tuple<torch::Tensor, torch::Tensor> draft_pick(const torch::Tensor& states,
               "draft_pick: states must be a contiguous M x C float32 CPU tensor");
   check_packed(packed, n_base);
   const int64_t M = states.size(0), C = states.size(1);
-  TORCH_CHECK(packed.size(1) == C, "draft_pick: the packed weight has ", packed.size(1), " input features, states ", C);
+  TORCH_CHECK(in_features(packed) == C, "draft_pick: the packed weight has ", in_features(packed), " input features, states ", C);
   int64_t E = 0;
   const float* ex = nullptr;
   if (extra_t.has_value() && extra_t->defined()) {
@@ -844,6 +891,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
+  m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
   m.def("pack_bias", &pack_bias, "zero-pad a bias to the packed weight's columns");
   m.def("linear", &linear, "x W^T + b through a packed weight", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("out_features"), pybind11::arg("bias") = c10::nullopt, pybind11::arg("activation") = 0);

@@ -1,0 +1,186 @@
+"""``--decoding self-draft``: the verifier's own int8 copy drafts, the
+float32 verifier checks.
+
+Strict output against stock fairseq's ``--beam 1`` through fairseq-generate
+(batch 1, 8 and 64, ``--max-tokens``, both backends), the drafts accepted,
+the copy's cache after rejections (a copy that drafts wrong tokens on
+purpose still decodes exactly), the int8 products against float32, and the
+refusals.  The seven stock architectures are in tests/test_verifier_variants.py.
+"""
+import re
+
+import pytest
+import torch
+
+import specdec_helpers as H
+from fairseq_specdec.kernels import rowgemm
+from fairseq_specdec.utils.int8 import Int8Linear, int8_unavailable_reason
+
+pytestmark = pytest.mark.skipif(int8_unavailable_reason() is not None, reason=str(int8_unavailable_reason()))
+
+SD = ("--decoding", "self-draft")
+STATS = re.compile(r"self-draft: (\d+) sentences, (\d+) tokens \(EOS included\), (\d+) iterations, Tok\. ([\d.]+)")
+
+
+def test_int8_linear_is_close_to_float32():
+    """The int8 product is an approximation of F.linear within the
+    quantization error (7-bit activations, 8-bit weights per row), with the
+    bias and the fused ReLU; a product that ignored the scales, the bias or
+    the ReLU would be far off."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(5, 3, 64, generator=g)
+    want = torch.nn.functional.linear(x, weight, bias)
+    got = Int8Linear(weight, bias)(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = (got - want).abs().max().item()
+    assert err < 0.05 * want.abs().max().item(), err
+    relu = Int8Linear(weight, bias, relu=True)(x)
+    assert bool((relu >= 0).all()) and (relu - want.clamp(min=0)).abs().max().item() < 0.05 * want.abs().max().item()
+    assert (Int8Linear(weight, None)(x) - (want - bias)).abs().max().item() < 0.05 * want.abs().max().item()
+
+
+@pytest.mark.skipif(not rowgemm.int8_available(), reason="the C++ extension's int8 panels do not run here")
+@pytest.mark.parametrize("shape", [(96, 64, 1), (37, 33, 5), (300, 256, 8), (20, 50, 13)], ids=str)
+def test_int8_panels_compute_the_quantized_weight(shape):
+    """The kernel's int8 panels compute x (q * s)^T + b, q the weight rows
+    rounded to int8 at scale s = max |row| / 127, for any rows m (blocks of
+    1-8 rows and the row groups past 8), ragged N and K, with and without
+    the bias and the ReLU: within float32 rounding of a float64 reference.
+    A kernel that forgot the scale, read another panel stride or the wrong
+    scales would be off by far more."""
+    n, k, m = shape
+    g = torch.Generator().manual_seed(n + k + m)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+    s = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    q = (w / s[:, None]).round().clamp(-127, 127)
+    for bias in (b, None):
+        want = torch.nn.functional.linear(x.double(), (q * s[:, None]).double(), None if bias is None else bias.double())
+        for act in (None, "relu"):
+            got = rowgemm.PackedLinear(w, bias, act, "int8")(x)
+            ref = want if act is None else want.clamp(min=0)
+            assert (got.double() - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", sorted(H.BACKEND_ARGS))
+def test_the_backend_chooses_the_int8_products(toy_bin, ar_checkpoint, backend):
+    """auto: int8 panels in the fused C++ layers where the extension runs;
+    reference: torch's quantized library (no native code)."""
+    from fairseq import tasks
+
+    model, _ = H.load_model(ar_checkpoint, toy_bin)
+    cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "draft_verify", *SD, *H.BACKEND_ARGS[backend])
+    gen = tasks.setup_task(cfg.task).build_generator([model], cfg.generation)
+    native = backend == "auto" and rowgemm.int8_available()
+    assert gen.drafter.native is native
+    assert gen.drafter.copy.gemm == ("rowgemm" if native else "torch-int8")
+    assert gen.drafter.copy.fused is native
+
+
+@pytest.fixture(scope="module")
+def baseline(toy_bin, ar_checkpoint):
+    cache = {}
+
+    def get(bsz):
+        if bsz not in cache:
+            proc = H.generate(toy_bin, ar_checkpoint, "--required-batch-size-multiple", "1", task="translation",
+                              batch_size=bsz)
+            cache[bsz] = H.parse_generate(proc.stdout)
+            assert sorted(cache[bsz]) == list(range(H.SPLIT_SIZES["test"]))
+        return cache[bsz]
+
+    return get
+
+
+def stats_of(proc):
+    found = STATS.findall(proc.stdout + proc.stderr)
+    assert found, (proc.stdout + proc.stderr)[-3000:]
+    sentences, tokens, iterations, _ = found[-1]
+    return int(sentences), int(tokens), int(iterations)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(H.BACKEND_ARGS))
+@pytest.mark.parametrize("batch", [["--batch-size", "1"], ["--batch-size", "8"], ["--batch-size", "64"],
+                                   ["--max-tokens", "300"]], ids=["bs1", "bs8", "bs64", "max-tokens"])
+def test_self_draft_is_beam1_and_accepts_drafts(toy_bin, ar_checkpoint, baseline, backend, batch):
+    """Identical to stock --beam 1 (tokens; scores within the helpers'
+    tolerance) with every row drafting (--draft-max-rows 0), and the copy's
+    drafts accepted: far fewer iterations than tokens."""
+    proc = H.run(
+        [H.cli("fairseq-generate"), toy_bin, "--path", ar_checkpoint, "--gen-subset", "test", "--task", "draft_verify",
+         "--beam", "1", "--cpu", "--user-dir", H.USER_DIR, *SD, "--draft-max-rows", "0", *batch,
+         *H.BACKEND_ARGS[backend]])
+    got = H.parse_generate(proc.stdout)
+    H.assert_same_hypotheses(baseline(1), got)
+    sentences, tokens, iterations = stats_of(proc)
+    assert sentences == H.SPLIT_SIZES["test"]
+    # the toy verifier's int8 copy agrees with it on most tokens: a drafter
+    # that never drafted, or whose drafts were all rejected, has iterations == tokens
+    assert iterations * 1.5 < tokens, (tokens, iterations)
+
+
+class _WrongCopy:
+    """Wraps the int8 copy's pass: every ``every``-th pass's log-probs are
+    replaced so that it drafts a wrong token (the least likely one), as a
+    bad copy would."""
+
+    def __init__(self, inner, every=3):
+        self.inner, self.every, self.calls = inner, every, 0
+
+    def forward(self, tokens, rows, needed=None):
+        lprobs = self.inner.forward(tokens, rows, needed)
+        self.calls += 1
+        if self.calls % self.every == 0:
+            lprobs[:, -1] = -lprobs[:, -1]
+            lprobs[:, -1, :4] = -float("inf")  # never a special symbol
+        return lprobs
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("bsz", [1, 8])
+@pytest.mark.parametrize("backend", sorted(H.BACKEND_ARGS))
+def test_rejected_drafts_leave_the_copy_cache_consistent(toy_bin, ar_checkpoint, bsz, backend):
+    """Drafts the verifier rejects (a wrong token every third pass of the
+    copy), drafts all accepted (the copy's cache one token behind) and
+    rows leaving the batch: the output is still fairseq's --beam 1, and
+    the copy's cache counts never pass the verifier's."""
+    from fairseq import tasks
+
+    model, _ = H.load_model(ar_checkpoint, toy_bin)
+    cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "translation")
+    task = tasks.setup_task(cfg.task)
+    stock = task.build_generator([model], cfg.generation)
+    want = H.output_tokens(H.run_generator(stock, model, H.batches(task, "test", bsz)))
+
+    cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "draft_verify", *SD, "--draft-max-rows", "0", "--block-size", "2",
+                           "--draft-min-confidence", "0", *H.BACKEND_ARGS[backend])
+    task = tasks.setup_task(cfg.task)
+    gen = task.build_generator([model], cfg.generation)
+    drafter = gen.drafter
+    drafter.copy = _WrongCopy(drafter.copy)
+    seen = []
+    update = drafter.update
+
+    def checked_update(state, feedback):
+        update(state, feedback)
+        assert all(c <= n for c, n in zip(drafter.cached, state.lengths_host)), (drafter.cached, state.lengths_host)
+        seen.append((list(feedback.drafted), list(feedback.accepted)))
+
+    drafter.update = checked_update
+    got = H.output_tokens(H.run_generator(gen, model, H.batches(task, "test", bsz)))
+    assert got == want
+    pairs = [(d, a) for drafted, accepted in seen for d, a in zip(drafted, accepted) if d > 0]
+    assert any(a < d for d, a in pairs), "no draft was rejected: the test exercises nothing"
+    assert any(a == d for d, a in pairs), "no draft was accepted whole: the catch-up pass is not exercised"
+
+
+def test_refusals(toy_bin, ar_checkpoint, tmp_path):
+    """A drafter checkpoint or --draft-tree is refused by name before any output."""
+    proc = H.generate(toy_bin, ar_checkpoint, *SD, "--drafter-path", str(tmp_path / "x.pt"), task="draft_verify",
+                      check=False)
+    assert proc.returncode != 0 and "--decoding self-draft" in proc.stderr and not H.parse_generate(proc.stdout)
+    proc = H.generate(toy_bin, ar_checkpoint, *SD, "--draft-tree", "4", task="draft_verify", check=False)
+    assert proc.returncode != 0 and "--draft-tree" in proc.stderr and not H.parse_generate(proc.stdout)
