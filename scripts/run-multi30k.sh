@@ -164,6 +164,9 @@ stage_benchmark() {
     fi
   fi
   if [ ${#drafters[@]} = 0 ]; then rows=beam5,beam1,loop-greedy,ngram; fi
+  # the verifier's own int8 copy drafting (a CPU decoding), and CTranslate2's int8 row below
+  local cpu=0; [ "${BENCH_DEVICE:-cpu}" = cpu ] && cpu=1
+  if [ $cpu = 1 ]; then rows=$rows,self-draft; fi
   local extra=()
   if have "$OUT/blockwise/checkpoint_best.pt"; then
     extra=(--blockwise "$OUT/blockwise/checkpoint_best.pt"); rows=$rows,blockwise
@@ -172,6 +175,7 @@ stage_benchmark() {
   # package; the plugin does not depend on it)
   if "$PY" -c "import ctranslate2" 2>/dev/null; then
     rows=$rows,ct2
+    if [ $cpu = 1 ]; then rows=$rows,ct2-int8; fi
   else
     log "no CTranslate2 row: the ctranslate2 package is not installed (pip install -e '.[ct2]', or make demo)"
   fi

@@ -106,7 +106,7 @@ def test_a_failing_row_stops_the_fillers(benchmark, monkeypatch):
     (["--relaxed", "3-1"], "--relaxed takes comma-separated beta:tau pairs"),
     (["--limit", "0"], "--limit must be at least 1"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
-    (["--rows", "beam5,beam1,nope"], "unknown --rows ['nope']; choose from beam5, beam1, strict, relaxed, ct2, ct2-int8, draft-verify, input-guided, blockwise, ngram, ngram+draft-verify, loop-greedy"),
+    (["--rows", "beam5,beam1,nope"], "unknown --rows ['nope']; choose from beam5, beam1, strict, relaxed, ct2, ct2-int8, draft-verify, input-guided, blockwise, ngram, ngram+draft-verify, self-draft, loop-greedy"),
     (["--rows", "beam1,strict"], "--rows must include beam5 and beam1"),
     (["--rows", "beam5,beam1,blockwise"], "--rows blockwise needs --blockwise"),
     (["--drafter", "DRAFTER"], "2 drafters without a label; give each drafter its own label"),

@@ -184,3 +184,22 @@ def test_refusals(toy_bin, ar_checkpoint, tmp_path):
     assert proc.returncode != 0 and "--decoding self-draft" in proc.stderr and not H.parse_generate(proc.stdout)
     proc = H.generate(toy_bin, ar_checkpoint, *SD, "--draft-tree", "4", task="draft_verify", check=False)
     assert proc.returncode != 0 and "--draft-tree" in proc.stderr and not H.parse_generate(proc.stdout)
+
+
+@pytest.mark.parametrize("argv, cut", [((), 0.0), (("--draft-min-confidence", "0.3"), 0.3)], ids=["default", "given"])
+def test_self_draft_confidence_cut_default_is_its_own(toy_bin, ar_checkpoint, argv, cut):
+    """--draft-min-confidence left out: self-draft's own default (no cut,
+    chosen on the valid split), while the other decodings keep 0.2; given,
+    it applies to every decoding."""
+    from fairseq import tasks
+
+    model, _ = H.load_model(ar_checkpoint, toy_bin)
+
+    def policy_cut(*args):
+        cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "draft_verify", *args)
+        return tasks.setup_task(cfg.task).build_generator([model], cfg.generation)
+
+    gen = policy_cut(*SD, *argv)
+    assert gen.policy.min_confidence == cut and gen.drafter.min_confidence == cut
+    other = policy_cut("--decoding", "ngram", *argv)
+    assert other.policy.min_confidence == (cut if argv else 0.2)

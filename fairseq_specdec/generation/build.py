@@ -16,7 +16,7 @@ from .combined import CombinedDrafter
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .self_draft import SelfDrafter
-from .registry import DECODINGS, BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
+from .registry import DECODINGS, DEFAULT_MIN_CONFIDENCE, BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .speculative import DecodeSettings, DraftLengthPolicy, SpeculativeGenerator
 from .stats import SpecDecStats
 
@@ -132,7 +132,7 @@ def _model_drafter(ctx: DrafterContext):
     check_same_dictionary(
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
-    need_scores = acceptance.uses_draft_scores or cfg.draft_min_confidence > 0
+    need_scores = acceptance.uses_draft_scores or min_confidence(cfg, DEFAULT_MIN_CONFIDENCE) > 0
     drafter = drafter_for_model(model, verifier, need_scores, source, ctx.backend.drafting)
     block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
     return drafter, block_size, source
@@ -203,17 +203,24 @@ def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})", tree_nodes=COMBINED_TREE_NODES)
 
 
-#: --decoding self-draft's k when --block-size is not given (chosen on the valid split: docs/self-draft.md)
+#: --decoding self-draft's k and --draft-min-confidence when they are not
+#: given (chosen on the valid split: docs/self-draft.md)
 SELF_DRAFT_BLOCK_SIZE = 8
+SELF_DRAFT_MIN_CONFIDENCE = 0.0
+
+
+def min_confidence(cfg, default: float) -> float:
+    """--draft-min-confidence as given, else the decoding's ``default``."""
+    return cfg.draft_min_confidence if cfg.draft_min_confidence is not None else default
 
 
 def _self_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts with the verifier's own int8 copy")
     tgt = ctx.task.target_dictionary
-    drafter = SelfDrafter(ctx.verifier, tgt.pad(), tgt.eos(), ctx.cfg.draft_min_confidence,
-                          native=ctx.backend.drafting.products)
+    cut = min_confidence(ctx.cfg, SELF_DRAFT_MIN_CONFIDENCE)
+    drafter = SelfDrafter(ctx.verifier, tgt.pad(), tgt.eos(), cut, native=ctx.backend.drafting.products)
     block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else SELF_DRAFT_BLOCK_SIZE
-    return BuiltDrafter(drafter, block_size, drafter.describe())
+    return BuiltDrafter(drafter, block_size, drafter.describe(), min_confidence=SELF_DRAFT_MIN_CONFIDENCE)
 
 
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
@@ -345,7 +352,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         draft_policy=DraftLengthPolicy(
             built.block_size,
             adaptive=cfg.adaptive_draft,
-            min_confidence=cfg.draft_min_confidence,
+            min_confidence=min_confidence(cfg, built.min_confidence),
             max_rows=draft_max_rows(getattr(cfg, "draft_max_rows", None), verifier),
         ),
         tree_nodes=built.tree_nodes if getattr(cfg, "draft_tree", None) is None else cfg.draft_tree,

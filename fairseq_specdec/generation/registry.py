@@ -45,15 +45,23 @@ class DrafterContext:
         return self.task.cfg
 
 
+#: --draft-min-confidence when neither the user nor the decoding gives one:
+#: it cuts most rejected drafts of weak drafters and costs little with good
+#: ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
+DEFAULT_MIN_CONFIDENCE = 0.2
+
+
 @dataclass
 class BuiltDrafter:
     """A decoding's drafter, its default ``--block-size`` and its
-    description; ``tree_nodes``: its default ``--draft-tree`` (0: chains)."""
+    description; ``tree_nodes``: its default ``--draft-tree`` (0: chains);
+    ``min_confidence``: its default ``--draft-min-confidence``."""
 
     drafter: object
     block_size: int
     description: str
     tree_nodes: int = 0
+    min_confidence: float = DEFAULT_MIN_CONFIDENCE
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..generation.acceptance import VERIFY_SCORES
 from ..generation.backend import BACKENDS
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
-from ..generation.registry import AUTOREGRESSIVE, decoding_help, get_decoding
+from ..generation.registry import AUTOREGRESSIVE, DEFAULT_MIN_CONFIDENCE, decoding_help, get_decoding
 from ..generation.stats import SentenceCounter
 from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel, VerifierStateDrafterModel
@@ -34,9 +34,6 @@ logger = logging.getLogger(__name__)
 VERIFY_SCORE_CHOICES = ChoiceEnum(list(VERIFY_SCORES))
 SPECDEC_BACKEND_CHOICES = ChoiceEnum(list(BACKENDS))
 
-#: --draft-min-confidence default: it cuts most rejected drafts of weak drafters
-#: and costs little with good ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
-DEFAULT_MIN_CONFIDENCE = 0.2
 
 #: block size k used when --block-size is not given (Xia et al. 2023 use 25)
 DEFAULT_BLOCK_SIZE = 25
@@ -115,13 +112,14 @@ class DraftVerifyConfig(TranslationConfig):
             "within [1, --block-size]); the output does not change"
         },
     )
-    draft_min_confidence: float = field(
-        default=DEFAULT_MIN_CONFIDENCE,
+    draft_min_confidence: Optional[float] = field(
+        default=None,
         metadata={
             "help": "speculative decodings: stop each draft before its first token whose "
             "drafter probability is below this (0 = off; drafters that return "
-            f"probabilities only; default {DEFAULT_MIN_CONFIDENCE}, chosen by measurement, see "
-            "docs/architecture.md, Draft length); the output does not change"
+            f"probabilities only; default {DEFAULT_MIN_CONFIDENCE}, 0 for self-draft, each chosen by "
+            "measurement, see docs/architecture.md, Draft length, and docs/self-draft.md); the output "
+            "does not change"
         },
     )
     draft_max_rows: Optional[int] = field(
@@ -293,7 +291,7 @@ class DraftVerifyTask(TranslationTask):
         ("verify_tau", 0.0),
         ("verify_score", "verifier"),
         ("adaptive_draft", False),
-        ("draft_min_confidence", DEFAULT_MIN_CONFIDENCE),
+        ("draft_min_confidence", None),
         ("draft_max_rows", None),
         ("draft_tree", None),
         ("block_size", None),
