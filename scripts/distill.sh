@@ -6,7 +6,8 @@
 #
 # Usage: scripts/distill.sh TEACHER_CKPT BIN_DIR BPE_DIR OUT_DIR [SRC] [TGT]
 #   BIN_DIR  binarized data the teacher was trained on (dict.*.txt, train, valid)
-#   BPE_DIR  the BPE text of that data ({train,val}.{SRC,TGT})
+#   BPE_DIR  the BPE text of that data: train.SRC and valid.SRC (fairseq's split
+#            name; val.SRC, as scripts/prepare-multi30k.sh names it, also works)
 #   OUT_DIR  receives the distilled text (OUT_DIR/text) and binarized data (OUT_DIR/bin)
 # Environment:
 #   BEAM (5)  MAX_TOKENS (6000)  THREADS (1)
@@ -28,6 +29,15 @@ CPU_FLAG=""; [ "$CPU" = 1 ] && CPU_FLAG="--cpu"
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 log() { echo "[distill $(date +%H:%M:%S)] $*"; }
 [ -f "$CKPT" ] || { echo "no teacher checkpoint: $CKPT" >&2; exit 2; }
+# every input is found before anything is decoded
+[ -f "$BPE/train.$SRC" ] || { echo "distill.sh: no $BPE/train.$SRC (BPE_DIR holds the BPE text train.$SRC and valid.$SRC)" >&2; exit 2; }
+VALID=""
+for name in valid val; do if [ -f "$BPE/$name.$SRC" ]; then VALID=$name; break; fi; done
+[ -n "$VALID" ] || { echo "distill.sh: no $BPE/valid.$SRC (nor val.$SRC): BPE_DIR holds the BPE text train.$SRC and valid.$SRC" >&2; exit 2; }
+for split in train valid; do
+  [ -f "$BIN/$split.$SRC-$TGT.$SRC.idx" ] || [ -f "$BIN/$split.$TGT-$SRC.$SRC.idx" ] || {
+    echo "distill.sh: no binarized $split split for $SRC-$TGT in $BIN ($split.$SRC-$TGT.$SRC.idx): BIN_DIR is fairseq-preprocess's output with train and valid" >&2; exit 2; }
+done
 mkdir -p "$OUT/text" "$OUT/gen"
 
 decode_split() {  # fairseq split name, BPE file prefix
@@ -64,13 +74,13 @@ decode_split() {  # fairseq split name, BPE file prefix
 }
 
 decode_split train train
-decode_split valid val
+decode_split valid "$VALID"
 
 if [ ! -s "$OUT/bin/train.$SRC-$TGT.$TGT.bin" ]; then
   log "binarizing with the teacher's dictionary"
   rm -rf "$OUT/bin.part"
   fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" \
-    --trainpref "$OUT/text/train" --validpref "$OUT/text/val" \
+    --trainpref "$OUT/text/train" --validpref "$OUT/text/$VALID" \
     --srcdict "$BIN/dict.$SRC.txt" --tgtdict "$BIN/dict.$TGT.txt" \
     --destdir "$OUT/bin.part" --workers "${WORKERS:-2}"
   # the test split stays the original one

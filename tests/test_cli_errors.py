@@ -115,6 +115,7 @@ def test_valid_setup_builds(toy_bin, untrained_verifier, random_drafter_checkpoi
         (["--match-source-len"], "--match-source-len"),
         (["--diverse-beam-groups", "2"], "--diverse-beam-groups"),
         (["--constraints"], "--constraints"),
+        (["--retain-iter-history"], "--retain-iter-history"),
         (["--block-size", "0"], "--block-size"),
         (["--verify-beta", "0"], "--verify-beta"),
         (["--verify-beta", "2", "--verify-tau", "-1"], "--verify-tau"),

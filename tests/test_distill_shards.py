@@ -57,3 +57,44 @@ def test_distill_shards_cover_every_sentence_once(toy_bin, ar_checkpoint, tmp_pa
         merged = {i: hyp for shard in shards for i, hyp in shard.items()}
         assert lines == [merged[i][1] for i in range(n)]
     assert os.path.isfile(out / "bin" / "train.src-tgt.tgt.bin")
+
+
+@pytest.mark.slow
+def test_readme_step_1_as_written(toy_bin, ar_checkpoint, tmp_path):
+    """The README's step 1 (``BEAM=1 scripts/distill.sh CKPT data-bin
+    data-bpe distill SRC TGT`` with ``data-bpe/{train,valid}.*``, fairseq's
+    split names) distills both splits and binarizes them."""
+    bin_dir, bpe = mini_data(toy_bin, tmp_path)
+    for lang in ("src", "tgt"):
+        os.rename(os.path.join(bpe, f"val.{lang}"), os.path.join(bpe, f"valid.{lang}"))
+    out = tmp_path / "distill"
+    env = H.subprocess_env()
+    env.update(BEAM="1", PYTHON=sys.executable,
+               PATH=os.path.dirname(H.cli("fairseq-generate")) + os.pathsep + env.get("PATH", ""))
+    proc = subprocess.run(["bash", str(H.ROOT / "scripts" / "distill.sh"), ar_checkpoint, bin_dir, bpe, str(out),
+                           "src", "tgt"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(open(out / "text" / "valid.tgt", encoding="utf-8").read().splitlines()) == 50
+    assert os.path.isfile(out / "bin" / "valid.src-tgt.tgt.bin") and os.path.isfile(out / "bin" / "train.src-tgt.tgt.bin")
+
+
+@pytest.mark.parametrize("missing", ["valid", "train", "bin-valid"])
+def test_a_missing_input_is_refused_before_any_decoding(toy_bin, ar_checkpoint, tmp_path, missing):
+    """No valid text, no train text or no binarized valid split: refused at
+    once, naming the file, with nothing decoded."""
+    bin_dir, bpe = mini_data(toy_bin, tmp_path)
+    if missing == "valid":
+        os.remove(os.path.join(bpe, "val.src"))
+    elif missing == "train":
+        os.remove(os.path.join(bpe, "train.src"))
+    else:
+        for name in os.listdir(bin_dir):
+            if name.startswith("valid."):
+                os.remove(os.path.join(bin_dir, name))
+    out = tmp_path / "distill"
+    proc = subprocess.run(["bash", str(H.ROOT / "scripts" / "distill.sh"), ar_checkpoint, bin_dir, bpe, str(out),
+                           "src", "tgt"], capture_output=True, text=True, env=H.subprocess_env(), timeout=60)
+    assert proc.returncode == 2
+    want = {"valid": "valid.src (nor val.src)", "train": "train.src", "bin-valid": "no binarized valid split"}[missing]
+    assert want in proc.stderr, proc.stderr
+    assert not (out / "gen").exists()

@@ -40,6 +40,8 @@ UNSUPPORTED_OPTIONS = [
     ("print_alignment", lambda v: bool(v)),
     ("nbest", lambda v: v is not None and v > 1),
     ("lm_path", lambda v: bool(v)),
+    # fairseq-generate then reads a "history" entry no greedy loop keeps (stock --beam 1 crashes on it too)
+    ("retain_iter_history", lambda v: bool(v)),
 ]
 
 
