@@ -56,6 +56,35 @@ TASK = "draft_verify"
 TASK_OPTIONS = frozenset(DraftVerifyConfig.__dataclass_fields__) - {"_name"}
 
 
+def _fairseq_options() -> frozenset:
+    """Every option name of fairseq's configuration sections (common,
+    dataset, generation, ...): the keywords fairseq's ``from_pretrained``
+    may override."""
+    from fairseq.dataclass.configs import FairseqConfig
+
+    names = set()
+    for section in FairseqConfig.__dataclass_fields__.values():
+        fields = getattr(section.type, "__dataclass_fields__", None) if isinstance(section.type, type) else None
+        names.update(fields or ())
+    return frozenset(names)
+
+
+def check_keywords(keywords) -> None:
+    """Refuse a keyword that is no option but nearly one (a typo such as
+    ``draft_treee=5``): fairseq drops overrides that match nothing, so the
+    option would silently keep its default.  Other unknown keywords pass on
+    to fairseq (model options, a bpe's settings)."""
+    import difflib
+
+    known = TASK_OPTIONS | _fairseq_options()
+    for name in keywords:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"from_pretrained: unknown keyword argument {name!r}; did you mean {close[0]!r}?")
+
+
 def _data_dir(model_name_or_path: str, data_name_or_path: str) -> Optional[str]:
     """The data directory, resolved as fairseq's ``hub_utils.from_pretrained`` does."""
     if data_name_or_path.startswith("."):
@@ -85,6 +114,7 @@ def from_pretrained(
     if task != TASK:
         raise ValueError(f"fairseq_specdec.hub.from_pretrained loads the {TASK} task, got task={task!r}")
     kwargs.pop("user_dir", None)
+    check_keywords(kwargs)
     task_options = {name: kwargs.pop(name) for name in list(kwargs) if name in TASK_OPTIONS}
     task_options.setdefault("data", _data_dir(model_name_or_path, data_name_or_path))
     loaded = hub_utils.from_pretrained(

@@ -104,6 +104,19 @@ def test_hub_translations_equal_beam1_and_beam5_is_refused(toy_bin, ar_checkpoin
     assert ar.translate(lines) == fairseq_hub.translate(lines)
 
 
+@pytest.mark.slow
+def test_hub_self_draft_equals_beam1(toy_bin, ar_checkpoint):
+    """from_pretrained(..., decoding="self-draft"): the int8 copy is made at
+    load time and translate() gives fairseq's beam 1 translations."""
+    from fairseq_specdec.hub import from_pretrained
+
+    folder, name = os.path.split(ar_checkpoint)
+    lines = _toy_sentences(toy_bin, 12)
+    hub = from_pretrained(folder, checkpoint_file=name, data_name_or_path=toy_bin, decoding="self-draft")
+    fairseq_hub = TransformerModel.from_pretrained(folder, checkpoint_file=name, data_name_or_path=toy_bin)
+    assert hub.translate(lines) == fairseq_hub.translate(lines, beam=1)
+
+
 # ---------------------------------------------------------------- fast: untrained models
 
 
@@ -168,7 +181,8 @@ def test_helper_takes_flat_keywords(toy_bin, translation_checkpoint, random_draf
         from_pretrained(folder, checkpoint_file=name, data_name_or_path=toy_bin, task="translation")
 
 
-@pytest.mark.parametrize("case", ["missing drafter file", "no drafter", "ngram_order=0", "block_size=0"])
+@pytest.mark.parametrize("case", ["missing drafter file", "no drafter", "ngram_order=0", "block_size=0",
+                                  "draft_treee=5", "max_len_bb=3"])
 def test_refusals_come_when_the_translator_is_made(toy_bin, translation_checkpoint, random_drafter_checkpoint,
                                                     tmp_path, case):
     """Serving code loads at start-up: what the decoding refuses must raise
@@ -182,6 +196,9 @@ def test_refusals_come_when_the_translator_is_made(toy_bin, translation_checkpoi
         "ngram_order=0": (dict(decoding="ngram", ngram_order=0), ValueError, "--ngram-order"),
         "block_size=0": (dict(decoding="draft-verify", drafter_path=random_drafter_checkpoint, block_size=0),
                          ValueError, "--block-size"),
+        # fairseq drops an override that matches no option: a typo would keep the default silently
+        "draft_treee=5": (dict(decoding="ngram", draft_treee=5), ValueError, "did you mean 'draft_tree'"),
+        "max_len_bb=3": (dict(decoding="ngram", max_len_bb=3), ValueError, "did you mean 'max_len_b'"),
     }[case]
     folder, name = os.path.split(translation_checkpoint)
     with pytest.raises(error) as err:
