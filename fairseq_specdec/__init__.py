@@ -16,6 +16,7 @@ The layers import downwards only (``tests/test_imports.py`` checks it):
 from . import compat
 
 compat.install_safe_checkpoint_loading()
+compat.install_cli_refusals()
 
 # These imports load fairseq.models, whose import runs a stray logging.basicConfig.
 from . import criterions, models  # noqa: E402,F401

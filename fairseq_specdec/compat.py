@@ -29,6 +29,15 @@ function here is idempotent.
    "Translated N sentences" line.  :func:`restore_fairseq_logging` removes that
    stray handler and installs the configuration the running tool asked for
    (:class:`FairseqCLIHandler`).
+
+3. Refusals on the command line.  The plugin refuses what it cannot honour
+   by raising (``ValueError``, ``FileNotFoundError``, the checkpoint
+   errors above); under fairseq's command-line tools that printed a Python
+   traceback.  :func:`install_cli_refusals` makes a refusal raised from this
+   package's code print one line in argparse's style,
+   ``fairseq-generate: error: <message>``, and exit with status 2 (argparse's
+   status for a usage error).  Any other exception keeps its traceback; the
+   Python API keeps raising the exceptions.
 """
 import argparse
 import functools
@@ -328,6 +337,43 @@ def restore_fairseq_logging() -> bool:
     return True
 
 
+#: the exception types the plugin refuses with (the CLI prints them in one line)
+REFUSALS = (ValueError, FileNotFoundError)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_by_plugin(tb) -> bool:
+    """Whether the innermost frame of a traceback is this package's code."""
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def install_cli_refusals(argv0: Optional[str] = None) -> bool:
+    """Under a fairseq command-line tool (``fairseq-generate``,
+    ``fairseq-interactive``, ...: the program name starts with
+    ``fairseq-``), print the plugin's own refusals as ``PROG: error:
+    MESSAGE`` and exit with status 2 (see the module docstring).  Returns
+    whether the hook was installed."""
+    prog = os.path.basename(argv0 if argv0 is not None else (sys.argv[0] if sys.argv else ""))
+    if not prog.startswith("fairseq-") or getattr(sys.excepthook, "_specdec", False):
+        return False
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, REFUSALS + (CheckpointLoadError, UntrustedCheckpointError)) and _raised_by_plugin(tb):
+            sys.stdout.flush()
+            sys.stderr.write(f"{prog}: error: {exc}\n")
+            sys.stderr.flush()
+            os._exit(2)  # argparse's status; nothing was decoded or written
+        previous(exc_type, exc, tb)
+
+    hook._specdec = True
+    sys.excepthook = hook
+    return True
+
+
 def install() -> None:
     install_safe_checkpoint_loading()
     restore_fairseq_logging()
@@ -339,6 +385,7 @@ __all__: Iterable[str] = [
     "TRUST_ENV_VAR",
     "UntrustedCheckpointError",
     "install",
+    "install_cli_refusals",
     "restore_fairseq_logging",
     "save_checkpoint",
     "trust_checkpoint",

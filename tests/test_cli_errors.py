@@ -6,6 +6,7 @@ fairseq-generate calls); a few run the real fairseq-generate.
 import os
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -506,3 +507,30 @@ def test_refused_run_leaves_the_statistics_file_alone(toy_bin, untrained_verifie
 def test_missing_drafter_message_names_the_decoding_asked_for(toy_bin, untrained_verifier):
     with pytest.raises(ValueError, match=r"--decoding ngram\+draft-verify needs a drafter"):
         build(toy_bin, [untrained_verifier[0]], "--decoding", "ngram+draft-verify")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["fairseq-generate", "fairseq-interactive"])
+def test_cli_refusal_is_one_argparse_style_line(toy_bin, transformer_checkpoint, tool):
+    """A refusal of the plugin under a command-line tool: "TOOL: error:
+    MESSAGE" on stderr, exit status 2, no Python traceback."""
+    cmd = [H.cli(tool), toy_bin, "--path", transformer_checkpoint, "--task", "draft_verify", "--beam", "1", "--cpu",
+           "--user-dir", H.USER_DIR, "--decoding", "ngram", "--verify-beta", "3", "--source-lang", "src",
+           "--target-lang", "tgt"]
+    proc = subprocess.run([str(c) for c in cmd], input="a1 a2\n", capture_output=True, text=True,
+                          env=H.subprocess_env(), timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{tool}: error: ")]
+    assert len(lines) == 1 and "--decoding ngram is always strict" in lines[0], proc.stderr[-3000:]
+    assert not any(line.startswith("H-") for line in proc.stdout.splitlines())
+
+
+def test_python_api_keeps_raising_refusals(toy_bin, untrained_verifier):
+    """Outside the command-line tools the hook is not installed: the
+    exception reaches the caller (pytest here)."""
+    from fairseq_specdec import compat
+
+    assert not compat.install_cli_refusals("python")
+    with pytest.raises(ValueError, match="always strict"):
+        build(toy_bin, [untrained_verifier[0]], "--decoding", "ngram", "--verify-beta", "3")
