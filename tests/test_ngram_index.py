@@ -317,3 +317,40 @@ def test_interactive_drafts_from_the_saved_index(toy_bin, ar_checkpoint, tmp_pat
     for got in (first, second):
         H.assert_same_hypotheses(H.parse_generate(ref.stdout), H.parse_generate(got.stdout))
     assert len(H.parse_generate(ref.stdout)) == len(lines)
+
+
+def test_unwritable_cache_is_refused_by_name(toy_bin, tmp_path, monkeypatch):
+    """Read-only data and a cache directory that cannot be made (here under
+    a file, which stops root too): a refusal naming the directory and the
+    way out, not an OSError traceback."""
+    data = copy_data(toy_bin, tmp_path / "data")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    monkeypatch.setattr(NI, "_writable", lambda directory: False)
+    with pytest.raises(NI.NgramIndexError, match=r"cannot write the index into .*XDG_CACHE_HOME"):
+        NI.open_index(split_source(data), 2)
+
+
+@pytest.mark.parametrize("array, damage", [
+    ("values", "token"), ("sequences", "token"), ("offsets", "decreasing"), ("postings", "sentence"),
+])
+def test_index_with_out_of_range_entries_is_refused_when_opened(toy_bin, tmp_path, array, damage):
+    """Well-formed .npy files whose entries the build cannot have written
+    (a token id past the dictionary, offsets that go back, a sentence id
+    past the corpus) are refused when the index is opened, naming the file
+    and --force, before any decoding reads them."""
+    data = copy_data(toy_bin, tmp_path / "data")
+    directory = NI.open_index(split_source(data), 2)[0]
+    path = os.path.join(directory, array + ".npy")
+    values = np.load(path).copy()
+    _, tgt_dict = dictionaries(data)
+    if damage == "token":
+        values[len(values) // 2] = (len(tgt_dict) + 5) << (NI.CONF_BITS if array == "values" else 0)
+    elif damage == "decreasing":
+        values[len(values) // 2] = values[-1] + 1
+    else:
+        values[0] = 10 ** 6
+    np.save(path, values)
+    with pytest.raises(NI.NgramIndexError, match=rf"{array}\.npy .*--force"):
+        NI.open_index(split_source(data), 2)

@@ -417,9 +417,16 @@ def _save(directory: str, build: Callable[[Alloc], dict], meta: dict) -> None:
     """Build into a temporary directory beside ``directory`` and rename it
     into place; on any failure, remove it (nothing half-written)."""
     parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    _remove_leftovers(directory)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-{os.getpid()}-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        _remove_leftovers(directory)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-{os.getpid()}-", dir=parent)
+    except OSError as e:
+        raise NgramIndexError(
+            f"n-gram index: cannot write the index into {parent} ({e.strerror or e}). It goes beside the data "
+            f"where the data directory is writable, else into the cache directory ({cache_root()}): make one of "
+            "them writable, or set XDG_CACHE_HOME to a writable directory"
+        ) from None
     previous = None
     if threading.current_thread() is threading.main_thread():
         # a build stopped by SIGTERM (a job scheduler's, kill's) removes its files too
@@ -506,8 +513,34 @@ def load_arrays(directory: str) -> Dict[str, np.ndarray]:
         try:
             arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
-            raise NgramIndexError(f"n-gram index {directory}: cannot read {name}.npy ({e}); rebuild it") from None
+            raise NgramIndexError(f"n-gram index {directory}: cannot read {name}.npy ({e}); rebuild it with "
+                                  "scripts/ngram-index.py DATA_DIR --split SPLIT --force (or delete the directory)") from None
     return arrays
+
+
+def check_arrays(directory: str, arrays: Dict[str, np.ndarray], meta: dict, tgt_vocab: int, rebuild: str) -> None:
+    """Refuse an index whose arrays cannot be what its build wrote: token
+    ids outside the target dictionary (``sequences``, the tokens of
+    ``values``), sentence ids past the corpus (``postings``), offsets that
+    decrease or point past their array.  Reads ``sequences`` and ``values``
+    once (a decoding would index the dictionary with them)."""
+    def bad(what):
+        raise NgramIndexError(f"n-gram index {directory}: {what}; the files are damaged or were changed. {rebuild}")
+
+    seq, offsets, values = arrays["sequences"], arrays["offsets"], arrays["values"]
+    postings, starts = arrays["postings"], arrays["posting_starts"]
+    for name, table, size in (("offsets", offsets, seq.size), ("posting_starts", starts, postings.size)):
+        if table.ndim != 1 or table.size == 0 or int(table[0]) != 0 or int(table[-1]) > size \
+                or bool((np.diff(table) < 0).any()):
+            bad(f"{name}.npy is not an increasing table of offsets into its {size} entries")
+    if offsets.size - 1 != int(meta.get("sentences", offsets.size - 1)):
+        bad(f"offsets.npy has {offsets.size - 1} sentences, meta.json {meta.get('sentences')}")
+    if seq.size and (int(seq.min()) < -1 or int(seq.max()) >= tgt_vocab):  # -1: the padding before a sentence
+        bad(f"sequences.npy holds token ids outside the target dictionary's {tgt_vocab} types")
+    if values.size and (int(values.min()) < 0 or (int(values.max()) >> CONF_BITS) >= tgt_vocab):
+        bad(f"values.npy holds next tokens outside the target dictionary's {tgt_vocab} types")
+    if postings.size and (int(postings.min()) < 0 or int(postings.max()) >= offsets.size - 1):
+        bad(f"postings.npy holds sentence ids outside the corpus's {offsets.size - 1} sentences")
 
 
 class SplitSource:
@@ -594,6 +627,9 @@ def open_index(source: SplitSource, order: int, rebuild: bool = False) -> Tuple[
         source.check_meta_ids(meta)
         started = time.perf_counter()
         arrays = load_arrays(directory)
+        check_arrays(directory, arrays, meta, len(source.tgt_dict),
+                     f"Rebuild it: python scripts/ngram-index.py {source.data_dir} --split {source.split} "
+                     f"--order {order} --force (or delete the directory)")
         logger.info(f"n-gram index: memory-mapped {directory} ({meta['sentences']} sentences, "
                     f"{meta.get('corpus_contexts', '?')} corpus contexts) in {time.perf_counter() - started:.1f} s")
         return directory, meta, arrays
