@@ -534,3 +534,37 @@ def test_python_api_keeps_raising_refusals(toy_bin, untrained_verifier):
     assert not compat.install_cli_refusals("python")
     with pytest.raises(ValueError, match="always strict"):
         build(toy_bin, [untrained_verifier[0]], "--decoding", "ngram", "--verify-beta", "3")
+
+
+def _outcome(toy_bin, model, argv):
+    """"built", or the refusal of building a generator: its type and the
+    options its message names (a drafter's description, which names its
+    backend's products, may differ)."""
+    try:
+        gen = build(toy_bin, [model], *argv)
+    except (ValueError, FileNotFoundError) as err:
+        return type(err).__name__, re.findall(r"--[a-z][a-z-]+", str(err))
+    stats = getattr(gen, "stats", None)
+    if stats is not None:
+        stats.close()
+    return "built"
+
+
+OPTION_SETS = [(), ("--draft-tree", "3"), ("--verify-beta", "3", "--verify-tau", "1"), ("--block-size", "2"),
+               ("--draft-max-rows", "0"), ("--adaptive-draft",), ("--draft-min-confidence", "0.5")]
+
+
+@pytest.mark.parametrize("decoding", sorted(__import__("fairseq_specdec").generation.registry.DECODINGS))
+def test_both_backends_accept_and_refuse_the_same_options(toy_bin, untrained_verifier, random_drafter_checkpoint,
+                                                          decoding):
+    """Every registered decoding with each set of options: the auto and the
+    reference backend build the same generators and refuse the same
+    options, naming the same options (a probe of 53c8208 found no difference)."""
+    from fairseq_specdec.generation.registry import get_decoding
+
+    drafter = ["--drafter-path", random_drafter_checkpoint] if get_decoding(decoding).takes_drafter else []
+    for options in OPTION_SETS:
+        argv = ["--decoding", decoding, *drafter, *options]
+        auto = _outcome(toy_bin, untrained_verifier[0], argv)
+        reference = _outcome(toy_bin, untrained_verifier[0], argv + ["--specdec-backend", "reference"])
+        assert auto == reference, (decoding, options, auto, reference)
