@@ -29,15 +29,11 @@ CPU_FLAG=""; [ "$CPU" = 1 ] && CPU_FLAG="--cpu"
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
 log() { echo "[distill $(date +%H:%M:%S)] $*"; }
 [ -f "$CKPT" ] || { echo "no teacher checkpoint: $CKPT" >&2; exit 2; }
-# every input is found before anything is decoded
+# the text inputs are found before anything is decoded
 [ -f "$BPE/train.$SRC" ] || { echo "distill.sh: no $BPE/train.$SRC (BPE_DIR holds the BPE text train.$SRC and valid.$SRC)" >&2; exit 2; }
 VALID=""
 for name in valid val; do if [ -f "$BPE/$name.$SRC" ]; then VALID=$name; break; fi; done
 [ -n "$VALID" ] || { echo "distill.sh: no $BPE/valid.$SRC (nor val.$SRC): BPE_DIR holds the BPE text train.$SRC and valid.$SRC" >&2; exit 2; }
-for split in train valid; do
-  [ -f "$BIN/$split.$SRC-$TGT.$SRC.idx" ] || [ -f "$BIN/$split.$TGT-$SRC.$SRC.idx" ] || {
-    echo "distill.sh: no binarized $split split for $SRC-$TGT in $BIN ($split.$SRC-$TGT.$SRC.idx): BIN_DIR is fairseq-preprocess's output with train and valid" >&2; exit 2; }
-done
 mkdir -p "$OUT/text" "$OUT/gen"
 
 decode_split() {  # fairseq split name, BPE file prefix

@@ -183,7 +183,7 @@ def test_bfloat16_panels_compute_with_the_weight_rounded_to_bfloat16(shape):
 def test_packed_linear_refuses_an_unknown_precision():
     if rowgemm.unavailable_reason() is not None:
         pytest.skip(rowgemm.unavailable_reason())
-    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got 'float16'"):
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, int8, got 'float16'"):
         rowgemm.PackedLinear(torch.randn(8, 8), precision="float16")
 
 
@@ -200,6 +200,9 @@ def test_draft_pick_is_log_softmax_max_of_the_projection(precision):
     x = torch.randn(2, 3, 48)
     packed = rowgemm.PackedLinear(weight, precision=precision)
     used = weight.to(torch.bfloat16).float() if precision == "bfloat16" else weight
+    if precision == "int8":  # each row rounded to int8 at its own scale (max |row| / 127)
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        used = (weight / scale).round().clamp(-127, 127) * scale
     logits = torch.cat([F.linear(x, used), x @ extra_t], -1) + bias
     top = logits.argmax(-1)
     bias[top[0, 0]] = -math.inf  # the first row's winner is ruled out
