@@ -165,8 +165,7 @@ class _PassBench:
         from ..generation.state import DecodingState
 
         self.model = model
-        self.verifier = LeanVerifier(model, gemm=gemm, precision=precision,
-                                     fused_layers=gemm == "rowgemm", encoder="auto" if gemm == "rowgemm" else "fairseq")
+        self.verifier = LeanVerifier(model, gemm=gemm, precision=precision)
         vocab = len(model.decoder.dictionary)
         g = torch.Generator().manual_seed(0)
         src = torch.randint(4, vocab, (1, src_len), generator=g)

@@ -30,8 +30,9 @@ reads past its own input), so a rejected draft needs no rollback:
 accepted.
 
 A draft stops before its first token whose probability under the copy is
-below ``min_confidence`` (``--draft-min-confidence``): the loop then pads it
-out, and the copy stops stepping once every row has stopped.  Whatever the
+below ``min_confidence`` (``--draft-min-confidence``): the loop's draft
+policy pads it out from there, and the copy stops stepping once every row
+has stopped.  Whatever the
 copy drafts, strict verification outputs the verifier's greedy tokens.
 """
 import math
@@ -167,9 +168,9 @@ class SelfDrafter(Drafter):
             rows = _Rows(lengths_t, [n + step + 1 for n in lengths], state.encoder_out)
             lprobs = self.copy.forward(token.unsqueeze(1), rows)[:, -1]
         self._base, self._steps = list(lengths), len(drafts)
-        draft_tokens, draft_lprobs = torch.stack(drafts, 1), torch.stack(scores, 1)
-        low = (draft_lprobs < self.log_min_confidence).cumsum(1) > 0
-        return draft_tokens.masked_fill(low, self.pad), draft_lprobs
+        # the loop's draft policy cuts each row before its first unsure token
+        # (the same --draft-min-confidence): here it only ends the stepping
+        return torch.stack(drafts, 1), torch.stack(scores, 1)
 
     def update(self, state, feedback) -> None:
         """The copy's cache after the verdict: the fed inputs that are now

@@ -6,8 +6,7 @@ the row's largest magnitude / 127); the activations are quantized at run
 time, per call, by the library's dynamic linear (``quantized::linear_dynamic``),
 which also adds the float32 bias and returns float32.  ``reduce_range``
 (7-bit activations) is always on: without it the AVX2 kernels' 16-bit
-intermediate sums saturate (a 256-wide random product was off by 7.4
-instead of 0.7 when this was written).
+intermediate sums can saturate.
 
 The copy computes an approximation of the float32 layer: it serves the
 self-drafting decoding (:mod:`fairseq_specdec.generation.self_draft`),
@@ -33,16 +32,16 @@ def int8_unavailable_reason() -> Optional[str]:
     return None
 
 
-def quantize_rows(weight: Tensor):
-    """``weight`` (out x in, float) as int8 per output channel: the
-    quantized tensor torch's packing takes, and the float32 scales."""
+def quantize_rows(weight: Tensor) -> Tensor:
+    """``weight`` (out x in, float) as int8 per output channel (scale: the
+    row's largest magnitude / 127): the quantized tensor torch's packing
+    takes."""
     w = weight.detach().float().cpu()
     scales = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-12)
     zeros = torch.zeros(w.size(0), dtype=torch.long)
     with warnings.catch_warnings():  # torch marks its quantized tensor constructors deprecated
         warnings.simplefilter("ignore")
-        q = torch.quantize_per_channel(w, scales.double(), zeros, 0, torch.qint8)
-    return q, scales
+        return torch.quantize_per_channel(w, scales.double(), zeros, 0, torch.qint8)
 
 
 class Int8Linear:
@@ -51,7 +50,7 @@ class Int8Linear:
     one call of torch's quantized library, packed once."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor] = None, relu: bool = False):
-        q, _ = quantize_rows(weight)
+        q = quantize_rows(weight)
         b = bias.detach().float().cpu().contiguous() if bias is not None else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
