@@ -126,6 +126,10 @@ def test_ct2_rows_end_to_end(toy_bin, ar_checkpoint, tmp_path):
     assert [ref[i][1] for i in sorted(ref)] == hyp
     assert "| CTranslate2 greedy (float32) | 1 |" in (out / "results.md").read_text()
     assert "CTranslate2 greedy (int8)" in proc.stdout
+    # the machine, with CTranslate2's own choice of instruction set and products, named in the header
+    ct2_info = results["machine"]["ctranslate2"]
+    assert "error" not in ct2_info and ct2_info["isa"] and ct2_info["sgemm"] and ct2_info["gemm_s8"], ct2_info
+    assert f"(ISA {ct2_info['isa']}, " in (out / "results.md").read_text()
 
 
 def interleave_args(toy_bin, verifier, *extra):
@@ -194,3 +198,7 @@ def test_interleave_ct2_row_is_identical_to_the_plugins_greedy_loop(toy_bin, ar_
     assert rows["ctranslate2-int8"]["compute_type"] == "int8" and rows["ctranslate2-int8"]["ms_per_sentence"] > 0
     assert "| ctranslate2 | " in proc.stdout and "| 8/8 | " in proc.stdout.split("| ctranslate2 | ")[1]
     assert list(tmp.iterdir()) == []  # the converted model removed with its temporary directory
+    # CTranslate2's instruction set and products, read from its log when it loaded the converted model
+    ct2_info = result["machine"]["ctranslate2"]
+    assert "error" not in ct2_info and ct2_info["isa"] and ct2_info["sgemm"], ct2_info
+    assert f"CTranslate2 {ct2_info['version']} (ISA {ct2_info['isa']}, " in proc.stdout

@@ -408,6 +408,11 @@ def test_roofline_command_reports_the_verify_pass_by_width():
     assert all(v > 0 for v in result["tree_ms"].values())
     assert result["tree_ms"] == result["by_gemm"][result["default_gemm"]]["tree_ms"]
     assert result["machine"]["peak_gflops"] > 0 and result["machine"]["read_gbs"] > 0
+    # the machine named: the CPU, and the instruction set of the plugin's products
+    from fairseq_specdec import kernels
+
+    assert result["isa"] == (kernels.isa() or "torch") == result["machine"]["plugin_isa"]
+    assert result["machine"]["cpu"] and result["machine"]["torch"]["cpu_capability"]
     # the ideal products cost never falls as the width grows
     ideal = [result["ideal_products_ms"][m] for m in ("1", "2", "3")]
     assert ideal == sorted(ideal)
@@ -444,6 +449,7 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
     assert rows["loop-greedy"]["identical"] == 8 and rows["loop-greedy"]["options"].startswith("--path ")
     assert all(len(r["rounds_ms"]) == 2 and min(r["rounds_ms"]) == r["ms_per_sentence"] for r in rows.values())
     assert "| loop-greedy | " in proc.stdout
+    assert result["machine"]["cpu"] and f"Machine: CPU: {result['machine']['cpu']}" in proc.stdout
 
 
 def test_interleave_command_refuses_bad_rows(toy_bin, ar_checkpoint):

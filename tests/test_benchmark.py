@@ -45,6 +45,7 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
 
     table = (out / "results.md").read_text()
     assert "2 decoders at a time" in table
+    assert f"Machine: CPU: {results['machine']['cpu']}" in table
     assert "draft-verify strict" in table and "blockwise" in table
     hyp = (out / "hyp.strict@bs1.txt").read_text().splitlines()
     assert len(hyp) == H.SPLIT_SIZES["test"]

@@ -44,6 +44,7 @@ import sys
 from typing import Dict, List, Optional
 
 from .commands import recorded_command
+from .machine import describe, header
 from . import ct2, workers
 from .partial import PartialRows, against_beam1, beam1_name
 from .plots import make_plots
@@ -232,6 +233,7 @@ def write_outputs(args, results: Dict, rows: List[Dict]) -> None:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(f"Command: `{results['command']}`\n\n{n_expected} sentences, {args.threads} thread(s) per decoder{where}, "
                 f"warm-up of {args.warmup} sentences excluded, {load_note(args.jobs)}.\n\n")
+        f.write(f"Machine: {header(results['machine'])}\n\n")
         f.write(table + "\n\n")
         if rows:
             f.write(f"sacreBLEU signature: `{rows[0]['signature']}`\n")
@@ -360,6 +362,7 @@ def main(argv=None):
         "rows": rows,
         "failed": failed,
     }
+    results["machine"] = describe(ct2_dir if ct2_dir and device == "cpu" else None)
     if ct2_dir:
         import ctranslate2
 

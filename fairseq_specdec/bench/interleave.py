@@ -233,15 +233,17 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
             outputs[row["name"]] = hyps
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
+    from .machine import describe, header
+
     first = rows[0]["name"]
     base = min(times[first])
+    machine = describe(ct2_dir if extra_rows else None)
     result = {"sentences": len(outputs[first]), "batch_size": args.batch_size, "rounds": args.rounds,
-              "threads": args.threads, "rows": []}
+              "threads": args.threads, "machine": machine, "rows": []}
     if extra_rows:
-        import ctranslate2
-
-        result["ctranslate2"] = {"version": ctranslate2.__version__, "model": args.ct2_dir}
-    lines = [f"| decoder | ms/sentence | vs {first} | Tok. | identical to {first} | rounds (ms/sentence) |",
+        result["ctranslate2"] = {"version": machine["ctranslate2"]["version"], "model": args.ct2_dir}
+    lines = [f"Machine: {header(machine)}", "",
+             f"| decoder | ms/sentence | vs {first} | Tok. | identical to {first} | rounds (ms/sentence) |",
              "|---|---|---|---|---|---|"]
     for row in rows + extra_rows:
         name = row["name"]

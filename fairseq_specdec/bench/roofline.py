@@ -42,6 +42,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
+from .machine import describe, header
+
 #: random-weight verifier shapes: the demo's (configs/multi30k-cpu.sh) and
 #: the papers' transformer-base and transformer-big (WMT, 32k vocabulary)
 SHAPES = {
@@ -237,6 +239,7 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
              seconds: float = 1.0) -> Dict:
     import torch
 
+    from .. import kernels
     from ..generation.lean_verifier import resolve_gemm
     from ..kernels import rowgemm
 
@@ -256,7 +259,9 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
         ideal[str(m)] = max(read, arithmetic) * 1e3
     result = {
         "threads": torch.get_num_threads(),
-        "machine": {"peak_gflops": round(peak, 1), "read_gbs": round(bandwidth, 1), "op_overhead_us": round(overhead * 1e3, 2)},
+        "machine": {**describe(), "peak_gflops": round(peak, 1), "read_gbs": round(bandwidth, 1),
+                    "op_overhead_us": round(overhead * 1e3, 2)},
+        "isa": kernels.isa() or "torch",
         "weights": {"params": sizes["params"], "mbytes": round(sizes["bytes"] / 2 ** 20, 1)},
         "prefix": prefix,
         "default_gemm": default,
@@ -333,6 +338,8 @@ def format_report(name: str, result: Dict) -> str:
     mach = result["machine"]
     lines = [
         f"# Verify-pass roofline: {name}, {result['threads']} thread(s), batch 1, prefix {result['prefix']}",
+        "",
+        f"Machine: {header(mach)}",
         "",
         f"machine: {mach['peak_gflops']} GFLOP/s float32 product peak; {mach['read_gbs']} GB/s reading "
         f"{result['weights']['mbytes']} MB (the weights a pass reads: {result['weights']['params']:,} parameters); "

@@ -72,6 +72,15 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+def isa() -> Optional[str]:
+    """The instruction set the native products run on here (``"avx2"``), as
+    the extension reports it; None where they cannot run
+    (:func:`unavailable_reason`): torch's products then."""
+    if unavailable_reason() is not None:
+        return None
+    return _ext.isa()
+
+
 def applies_to(weight: Tensor) -> bool:
     """Whether the kernels compute with ``weight``: a float32 CPU tensor, on
     a machine that runs them."""

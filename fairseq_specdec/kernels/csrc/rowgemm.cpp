@@ -200,6 +200,10 @@ void check_packed(const torch::Tensor& packed, int64_t out_features) {
 
 bool supported() { return cpu_supported(); }
 
+// the instruction set the products and fused layers run on here: "avx2"
+// (AVX2 with FMA, 8-lane panels), or "none" where the CPU lacks them
+std::string isa() { return cpu_supported() ? "avx2" : "none"; }
+
 // weight: N x K (an nn.Linear's weight) -> [ceil(N/8)][K][8], zero padded
 torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.device().is_cpu(),
@@ -889,6 +893,7 @@ void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
+  m.def("isa", &isa, "the instruction set the kernel runs on here: avx2, or none");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
