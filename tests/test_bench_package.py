@@ -436,11 +436,12 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
         "--row", "beam1=--decoding autoregressive",
         "--row", f"loop-greedy=--path {ar_checkpoint} --decoding loop-greedy FAIRSEQ_SPECDEC_OFF=products",
         "--row", "beam2=--decoding autoregressive --beam 2",
-        "--row", "copy=--decoding input-guided --specdec-backend reference", "--json", out,
+        "--row", "copy=--decoding input-guided --specdec-backend reference", "--json", out, "--by-batch",
     ])
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
     assert result["sentences"] == 8 and list(rows) == ["beam1", "loop-greedy", "beam2", "copy"]
+    assert result["by_batch"] and "2 rounds taken batch by batch" in proc.stdout
     # Tok.: one token per iteration for greedy, at least one with drafts, none for fairseq's decoders
     assert rows["loop-greedy"]["tok"] == 1.0 and rows["copy"]["tok"] >= 1.0
     assert rows["beam1"]["tok"] is None and rows["beam2"]["tok"] is None

@@ -11,7 +11,7 @@ import torch
 
 import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, check_stats, speculative_run
-from fairseq_specdec.generation import DraftLengthPolicy
+from fairseq_specdec.generation import DraftLengthPolicy, MeasuredRows
 from fairseq_specdec.generation.ngram import NgramCorpus, NgramDrafter, _most_frequent, load_ngram_corpus
 
 BOS = EOS = 2
@@ -146,16 +146,23 @@ def test_bad_settings_are_refused():
         DraftLengthPolicy(4, max_rows=0)
 
 
-def test_row_limit_default_follows_the_verifier_device():
-    from fairseq_specdec.generation.build import DRAFT_MAX_ROWS_CPU, draft_max_rows
+def test_row_rule_default_follows_the_verifier_device_and_the_acceptance():
+    from fairseq_specdec.generation import AllRows, FixedRows, MeasuredRows, build_acceptance
+    from fairseq_specdec.generation.build import DRAFT_MAX_ROWS_CPU, draft_rows_rule
 
     cpu = torch.nn.Linear(2, 2)
-    assert draft_max_rows(None, cpu) == DRAFT_MAX_ROWS_CPU
-    assert draft_max_rows(0, cpu) is None and draft_max_rows(7, cpu) == 7
+    strict, relaxed = build_acceptance(1, 0.0, "verifier"), build_acceptance(3, 1.0, "verifier")
+    assert isinstance(draft_rows_rule(None, cpu, strict), MeasuredRows)
+    # relaxed output depends on what is drafted: a fixed rule, never timings
+    rule = draft_rows_rule(None, cpu, relaxed)
+    assert isinstance(rule, FixedRows) and rule.max_rows == DRAFT_MAX_ROWS_CPU
+    for acceptance in (strict, relaxed):
+        assert isinstance(draft_rows_rule(0, cpu, acceptance), AllRows)
+        assert draft_rows_rule(7, cpu, acceptance).max_rows == 7
     with pytest.raises(ValueError, match="--draft-max-rows"):
-        draft_max_rows(-1, cpu)
+        draft_rows_rule(-1, cpu, strict)
     if torch.cuda.is_available():
-        assert draft_max_rows(None, cpu.cuda()) is None
+        assert isinstance(draft_rows_rule(None, cpu.cuda(), strict), AllRows)
 
 
 def test_row_limit_policy():
@@ -239,6 +246,43 @@ def test_row_limit_drafts_only_in_the_tail(verifier, beam1_reference, toy_corpus
     got = H.run_generator(gen, model, H.batches(task, "test", 16))
     assert_identical(beam1_reference("default", 16), got)
     assert drafter.drafting_rows and max(drafter.drafting_rows) <= 2
+
+
+class SkewedRows(MeasuredRows):
+    """The measured rule, told that drafting iterations took ``factor``
+    times their real time: far slower (or faster) than not drafting,
+    whatever the machine's speed."""
+
+    def __init__(self, factor):
+        super().__init__(least=2, first_wait=4)
+        self.factor = factor
+
+    def observe(self, rows, batch, drafted, tokens, seconds):
+        super().observe(rows, batch, drafted, tokens, seconds * (self.factor if drafted else 1.0))
+
+
+def test_measured_rows_follow_the_loops_timings_and_keep_the_output(verifier, beam1_reference, toy_corpus):
+    """The loop times its iterations for the measured rule: where drafting is
+    (made) slow, the rows of a batch of 16 draft only in the rule's trials,
+    at one row; where it is fast, ever larger groups draft.  The output is
+    --beam 1's either way."""
+    model, task = verifier
+    d = task.target_dictionary
+    drafting = {}
+    for factor in (100.0, 0.01):
+        drafter = CountingDrafter(toy_corpus, 20, d.pad(), d.eos()).setup()
+        gen = H.spec_gen(model, drafter, d, 3, OPTION_SETS["default"])
+        rule = SkewedRows(factor)
+        gen.policy = DraftLengthPolicy(3, rows=rule)
+        for _ in range(4):  # the rule lives as long as its generator: what it measured carries over
+            got = H.run_generator(gen, model, H.batches(task, "test", 16))
+            assert_identical(beam1_reference("default", 16), got)
+        drafting[factor] = drafter.drafting_rows
+        assert sum(b.count[False] for b in rule.buckets.values()) > 0  # the loop reported its iterations
+    slow, fast = drafting[100.0], drafting[0.01]
+    # slow drafting: only trials (2 iterations each), at the last row of a batch: never past a losing group
+    assert slow and set(slow) == {1} and len(slow) < len(fast), slow
+    assert max(fast) >= 3, fast
 
 
 def test_cli_matches_beam1(toy_bin, ar_checkpoint):

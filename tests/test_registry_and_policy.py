@@ -25,6 +25,7 @@ import fairseq_specdec  # noqa: F401
 from fairseq import tasks
 from fairseq_specdec.generation import (
     DraftLengthPolicy,
+    MeasuredRows,
     NATBlockDrafter,
     SourceCopyDrafter,
     SpeculativeGenerator,
@@ -32,6 +33,65 @@ from fairseq_specdec.generation import (
 )
 
 DV = ("--decoding", "draft-verify")
+
+
+# ---------------------------------------------------------------- MeasuredRows
+
+
+def test_measured_rows_groups_batches_by_unfinished_rows():
+    group = MeasuredRows.group
+    assert [group(r) for r in range(1, 9)] == list(range(1, 9))
+    assert {group(r) for r in (9, 10, 11)} == {9} and {group(r) for r in (12, 16)} == {10}
+    assert {group(r) for r in (17, 22)} == {11} and {group(r) for r in (23, 32)} == {12} and group(33) == 13
+
+
+def visit(rule, rows, cost_draft, cost_greedy, times):
+    """``times`` iterations at ``rows`` rows, each timed at the mode's cost
+    per token; returns the modes the rule chose."""
+    modes = []
+    for _ in range(times):
+        drafted = rule.drafts_at(rows, 32)
+        modes.append(drafted)
+        rule.observe(rows, 32, drafted, rows, rows * (cost_draft if drafted else cost_greedy))
+    return modes
+
+
+def test_measured_rows_times_greedy_first_then_tries_drafting_where_smaller_batches_gained():
+    rule = MeasuredRows(least=3, first_wait=16)
+    assert all(rule.drafts_at(1, 1) for _ in range(5))  # a batch of one sentence always drafts
+    # rows 3 are timed greedy, and not tried: rows 2 have not shown that drafting pays
+    assert visit(rule, 3, 0.5, 1.0, 6) == [False] * 6
+    # nor rows 2 before the last row of a batch has
+    assert visit(rule, 2, 0.5, 1.0, 6) == [False] * 6
+    # the last row of a batch: greedy first, then a trial of drafting at once, which wins
+    assert visit(rule, 1, 0.5, 1.0, 8) == [False] * 3 + [True] * 5
+    # then rows 2 try drafting, which wins there too
+    assert visit(rule, 2, 0.5, 1.0, 5) == [True] * 5
+    # now rows 3 try drafting; it loses there, so they go back to greedy
+    assert visit(rule, 3, 2.0, 1.0, 6) == [True] * 3 + [False] * 3
+    # and rows 4 are never tried: drafting lost at rows 3
+    assert visit(rule, 4, 0.1, 1.0, 20) == [False] * 20
+
+
+def test_measured_rows_try_the_slower_mode_again_after_doubling_waits():
+    rule = MeasuredRows(least=2, first_wait=8)
+    modes = visit(rule, 1, 2.0, 1.0, 40)  # drafting always loses at the last row of a batch
+    tried = [i for i, m in enumerate(modes) if m]
+    assert tried[:2] == [2, 3]  # the first trial, after the greedy timings
+    # trials at the 8th visit and later at ever longer intervals, 2 iterations each
+    starts = [i for i in tried if i - 1 not in tried]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), starts
+    # a drafter that becomes faster is followed
+    modes = visit(rule, 1, 0.2, 1.0, 200)
+    assert modes[-10:] == [True] * 10
+
+
+def test_measured_rows_ignore_batches_of_one_and_empty_iterations():
+    rule = MeasuredRows(least=1)
+    rule.observe(1, 1, True, 1, 1.0)
+    rule.observe(2, 8, True, 0, 1.0)
+    assert rule.buckets == {} or all(sum(b.count.values()) == 0 for b in rule.buckets.values())
 
 
 # ---------------------------------------------------------------- DraftLengthPolicy

@@ -5,8 +5,9 @@ Every row is a decoder built as ``fairseq-generate`` builds it
 (:func:`fairseq_specdec.bench.loading.load_decoder`) from the verifier and
 the row's own fairseq-generate options; all of them are loaded first, then
 each round decodes the same sentences with every row in turn, so a slow
-minute of the machine hits every row alike.  A row's time is its fastest
-round (ms per sentence); ratios are against the first row, and every row's
+minute of the machine hits every row alike (``--by-batch``: each batch is
+decoded by every row in turn, the first row rotating, so that even a drift
+within seconds does).  A row's time is its fastest round (ms per sentence); ratios are against the first row, and every row's
 output is compared with the first row's, sentence by sentence.  A row
 decoded by the plugin's loop also reports its Tok. (output tokens, EOS
 included, per iteration, from the generator's statistics over one round);
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3, help="rounds over every row (default 3); a row's time is its fastest")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--by-batch", action="store_true",
+                   help="take turns batch by batch: each batch is decoded by every row in turn (the first row "
+                        "rotating) before the next batch, so that a machine whose speed drifts within seconds "
+                        "slows every row alike; a row's time in a round is the sum of its batches")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--ct2", action="store_true",
                    help="add the row 'ctranslate2': the verifier converted to CTranslate2, float32 greedy "
@@ -213,24 +218,43 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
         loaded.append((row, decode, generator, list(batches())))
         print(f"loaded {row['name']}", file=sys.stderr, flush=True)
 
+    if len({len(data) for *_, data in loaded}) != 1:
+        raise RuntimeError("the rows decode different batches: " + ", ".join(
+            f"{row['name']} {len(data)}" for row, *_, data in loaded))
     times: Dict[str, List[float]] = {r["name"]: [] for r in rows + extra_rows}
     tok: Dict[str, Optional[float]] = {}
     outputs: Dict[str, Dict[int, List[int]]] = {}
     for round_ in range(args.rounds):
         for row, decode, generator, data in loaded:
-            hyps, sentences = {}, 0
             if generator is not None:
                 reset_statistics(generator)  # the plugin's loop: Tok. of this round only
-            t0 = time.perf_counter()
-            for sample in data:
-                out = decode(sample)
-                for sid, tokens in zip(sample["id"].tolist(), out):
-                    hyps[sid] = tokens
-                sentences += len(out)
-            times[row["name"]].append((time.perf_counter() - t0) / max(1, sentences) * 1e3)
+            outputs[row["name"]] = {}
+        seconds = {row["name"]: 0.0 for row, *_ in loaded}
+        sentences = {row["name"]: 0 for row, *_ in loaded}
+        # --by-batch: every batch decoded by every row in turn (the first row
+        # rotating), so that the machine's drift within a round hits all rows
+        # alike; else each row decodes the whole split in turn
+        order = [(b, list(range(len(loaded)))) for b in range(len(loaded[0][3]))] if args.by_batch else None
+        if order is None:
+            order = [(None, [i]) for i in range(len(loaded))]
+        for b, turn in order:
+            if b is not None:
+                shift = b % len(turn)
+                turn = turn[shift:] + turn[:shift]
+            for i in turn:
+                row, decode, generator, data = loaded[i]
+                for sample in (data if b is None else [data[b]]):
+                    t0 = time.perf_counter()
+                    out = decode(sample)
+                    seconds[row["name"]] += time.perf_counter() - t0
+                    for sid, tokens in zip(sample["id"].tolist(), out):
+                        outputs[row["name"]][sid] = tokens
+                    sentences[row["name"]] += len(out)
+        for row, decode, generator, data in loaded:
+            name = row["name"]
+            times[name].append(seconds[name] / max(1, sentences[name]) * 1e3)
             stats = getattr(generator, "stats", None)
-            tok[row["name"]] = stats.mean_accepted if stats is not None and stats.iterations else None
-            outputs[row["name"]] = hyps
+            tok[name] = stats.mean_accepted if stats is not None and stats.iterations else None
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     from .machine import describe, header
@@ -239,10 +263,13 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
     base = min(times[first])
     machine = describe(ct2_dir if extra_rows else None)
     result = {"sentences": len(outputs[first]), "batch_size": args.batch_size, "rounds": args.rounds,
-              "threads": args.threads, "machine": machine, "rows": []}
+              "by_batch": args.by_batch, "threads": args.threads, "machine": machine, "rows": []}
     if extra_rows:
         result["ctranslate2"] = {"version": machine["ctranslate2"]["version"], "model": args.ct2_dir}
+    turns = "batch by batch" if args.by_batch else "row by row"
     lines = [f"Machine: {header(machine)}", "",
+             f"{result['sentences']} sentences, batch size {args.batch_size}, {args.rounds} rounds taken {turns}, "
+             f"{args.threads} thread(s)", "",
              f"| decoder | ms/sentence | vs {first} | Tok. | identical to {first} | rounds (ms/sentence) |",
              "|---|---|---|---|---|---|"]
     for row in rows + extra_rows:

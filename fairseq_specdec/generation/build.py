@@ -17,7 +17,8 @@ from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, draft
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .self_draft import SelfDrafter
 from .registry import DECODINGS, DEFAULT_MIN_CONFIDENCE, BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
-from .speculative import DecodeSettings, DraftLengthPolicy, SpeculativeGenerator
+from .draft_policy import AllRows, DraftLengthPolicy, FixedRows, MeasuredRows, RowsRule
+from .speculative import DecodeSettings, SpeculativeGenerator
 from .stats import SpecDecStats
 
 logger = logging.getLogger(__name__)
@@ -292,19 +293,27 @@ def register_builtin_decodings() -> None:
         register_decoding(decoding)
 
 
-#: --draft-max-rows when it is not given, for a verifier on a CPU (the task's
-#: option help names it); no limit elsewhere
+#: --draft-max-rows when it is not given, for a verifier on a CPU and a
+#: relaxed acceptance (whose output depends on what is drafted, so the rule
+#: must not depend on timings); strict decodings there measure instead
+#: (:class:`~fairseq_specdec.generation.draft_policy.MeasuredRows`)
 DRAFT_MAX_ROWS_CPU = 4
 
 
-def draft_max_rows(value, verifier):
-    """The draft policy's ``max_rows`` for ``--draft-max-rows`` ``value``
-    (None: the default for the verifier's device; 0: no limit)."""
+def draft_rows_rule(value, verifier, acceptance) -> RowsRule:
+    """Whether a batch of so many unfinished rows drafts, for
+    ``--draft-max-rows`` ``value``: N > 0, at most N rows
+    (:class:`FixedRows`); 0, always (:class:`AllRows`); None (not given),
+    for a verifier on a CPU, measured where the acceptance is strict
+    (:class:`MeasuredRows`) and at most :data:`DRAFT_MAX_ROWS_CPU` rows
+    where it is relaxed; always elsewhere."""
     if value is None:
-        return DRAFT_MAX_ROWS_CPU if next(verifier.parameters()).device.type == "cpu" else None
+        if next(verifier.parameters()).device.type != "cpu":
+            return AllRows()
+        return MeasuredRows() if isinstance(acceptance, StrictAcceptance) else FixedRows(DRAFT_MAX_ROWS_CPU)
     if value < 0:
         raise ValueError(f"--draft-max-rows must be >= 0 (0 = no limit), got {value}")
-    return value or None
+    return FixedRows(value) if value else AllRows()
 
 
 def check_strictness(decoding: Decoding, acceptance) -> None:
@@ -355,7 +364,7 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             built.block_size,
             adaptive=cfg.adaptive_draft,
             min_confidence=min_confidence(cfg, built.min_confidence),
-            max_rows=draft_max_rows(getattr(cfg, "draft_max_rows", None), verifier),
+            rows=draft_rows_rule(cfg.draft_max_rows, verifier, acceptance),
         ),
         tree_nodes=built.tree_nodes if getattr(cfg, "draft_tree", None) is None else cfg.draft_tree,
     )

@@ -3,8 +3,10 @@
 Every iteration, for all unfinished rows of the batch at once:
 
 1. **draft**: the drafter proposes up to k tokens after each row's accepted
-   prefix; the :class:`DraftLengthPolicy` caps each row's draft (adaptive
-   draft length, confidence cut);
+   prefix; the :class:`~fairseq_specdec.generation.draft_policy.DraftLengthPolicy`
+   caps each row's draft (adaptive draft length, confidence cut) and says
+   whether a batch of so many unfinished rows drafts at all (it hears each
+   iteration's time);
 2. **verify**: the verifier scores ``[last accepted token] + drafts`` in one
    pass over its KV cache (a :class:`~fairseq_specdec.generation.verify_pass.VerifyPass`),
    and fairseq's own ``--beam 1`` rules are applied to those log-probs (pad
@@ -41,91 +43,11 @@ from ..kernels import rowgemm
 from ..utils.encoder_out import max_output_length
 from ..utils.projection import inference_scope
 from .backend import Backend
+from .draft_policy import DraftLengthPolicy
 from .drafters import Drafter
 from .iteration_graphs import IterationGraphs
 from .stats import SpecDecStats
 from .state import DecodingState, Feedback
-
-
-class DraftLengthPolicy:
-    """How many tokens each row may draft, for every drafter.
-
-    * ``adaptive``: a per-row draft length, the heuristic of Hugging Face's
-      assisted generation: it starts at ``init`` (default ``min(5, k)``), grows
-      by 2 after an iteration whose drafts were all accepted, shrinks by 1
-      after one that rejected a draft, and stays within ``[1, k]``; a row that
-      proposed nothing keeps its length.  Without it every row drafts ``k``.
-    * ``min_confidence`` (0 = off): a draft stops before its first token whose
-      drafter probability is below this; needs a drafter that returns
-      log-probs (others are not cut).
-    * ``max_rows`` (None = no limit): no row drafts while more than this many
-      rows of the batch are unfinished; the loop then takes one verifier
-      token per row and iteration, and drafting starts once enough rows have
-      finished (the tail of a batch).  Where a verify pass costs in
-      proportion to its rows (a CPU at batch 32), verifying drafts for many
-      rows at once costs more than the drafts save.
-
-    None of them changes what strict verification outputs, only what is verified.
-    """
-
-    def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None,
-                 max_rows: Optional[int] = None):
-        if k < 1:
-            raise ValueError(f"--block-size must be >= 1, got {k}")
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"--draft-min-confidence must be in [0, 1), got {min_confidence}")
-        self.k = k
-        self.adaptive = adaptive
-        self.min_confidence = min_confidence
-        self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
-        self.init = min(k, 5) if init is None else max(1, min(k, init))
-        if max_rows is not None and max_rows < 1:
-            raise ValueError(f"--draft-max-rows must be >= 1 (or 0 for no limit), got {max_rows}")
-        self.max_rows = max_rows
-
-    def drafts_at(self, rows: int) -> bool:
-        """Whether a batch with this many unfinished rows drafts at all."""
-        return self.max_rows is None or rows <= self.max_rows
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.min_confidence > 0
-
-    def initial(self) -> int:
-        return self.init if self.adaptive else self.k
-
-    def limit(self, draft_tokens: Tensor, draft_lprobs: Optional[Tensor], draft_k: List[int], pad: int) -> Tensor:
-        """Pad out each row's draft past its length and its confidence cut."""
-        width = draft_tokens.size(1)
-        if width == 0:
-            return draft_tokens
-        cut = None
-        if self.adaptive and min(draft_k) < width:
-            cut = torch.arange(width, device=draft_tokens.device).unsqueeze(0) >= torch.tensor(
-                draft_k, device=draft_tokens.device
-            ).unsqueeze(1)
-        if draft_lprobs is not None and self.min_confidence > 0:
-            low = (draft_lprobs < self.log_min_confidence).long().cumsum(1) > 0
-            cut = low if cut is None else cut | low
-        return draft_tokens if cut is None else draft_tokens.masked_fill(cut, pad)
-
-    def update(self, draft_k: List[int], drafted: List[int], accepted: List[int]) -> None:
-        if not self.adaptive:
-            return
-        for i, (d, a) in enumerate(zip(drafted, accepted)):
-            if d == 0:
-                continue
-            draft_k[i] = min(self.k, draft_k[i] + 2) if a == d else max(1, draft_k[i] - 1)
-
-    def __repr__(self):
-        parts = [f"k={self.k}"]
-        if self.adaptive:
-            parts.append(f"adaptive from {self.init}")
-        if self.min_confidence > 0:
-            parts.append(f"confidence cut {self.min_confidence}")
-        if self.max_rows is not None:
-            parts.append(f"drafts once at most {self.max_rows} rows are unfinished")
-        return ", ".join(parts)
 
 
 @dataclass
@@ -281,7 +203,7 @@ class SpeculativeGenerator:
             k = max(0, min(k, limit - max(state.lengths_host)))
         if self.policy.adaptive:
             k = min(k, max(state.draft_k))
-        if not self.policy.drafts_at(state.size):
+        if not self.policy.drafts_at(state.size, state.batch_size):
             k = 0
         return k
 
@@ -594,6 +516,7 @@ class SpeculativeGenerator:
         finalized: List[Optional[List[Dict]]] = [None] * bsz
 
         while state.size > 0:
+            began, rows = time.perf_counter(), state.size
             k = self._draft_width(state, max_len)
             path = None
             if self.tree_nodes and k > 0:
@@ -612,9 +535,10 @@ class SpeculativeGenerator:
             state.commit(new_tokens, new_lprobs, n_new, n_new_host, cum)
             self.drafter.update(state, Feedback(drafted_host, accepted_host, n_new, features))
             self.policy.update(state.draft_k, drafted_host, accepted_host)
+            now = time.perf_counter()
+            self.policy.observe(rows, bsz, k > 0, sum(n_new_host), now - began)
 
             # 5. retire finished rows
-            now = time.perf_counter()
             keep = []
             for i, row in enumerate(state.rows):
                 accepted[row].append(n_new_host[i])  # a final EOS included

@@ -83,6 +83,8 @@ class DecodingState:
         self.lengths_host: List[int] = [0] * bsz
         self.cum = torch.zeros(bsz, dtype=torch.float, device=device)
         self.rows: List[int] = list(range(bsz))
+        #: the sentences the batch began with (``size`` is those unfinished)
+        self.batch_size = bsz
         self.draft_k: List[int] = [draft_k] * bsz
         self._verifier = None
         self._drafter = None

@@ -126,10 +126,11 @@ class DraftVerifyConfig(TranslationConfig):
         default=None,
         metadata={
             "help": "speculative decodings: no row drafts while more than this many rows of the batch are "
-            "unfinished (one verifier token per row and iteration until then; 0 = no limit). Default: "
-            f"{DRAFT_MAX_ROWS_CPU} for a verifier on a CPU, where a verify pass costs in proportion to "
-            "its rows and drafting a large batch costs more than it saves (measured in docs/results); no limit "
-            "elsewhere; the output does not change"
+            "unfinished (one verifier token per row and iteration until then; 0 = no limit). Default, for a "
+            "verifier on a CPU: with strict verification, measured: a batch of 2 or more unfinished rows drafts "
+            "only where the loop's own timings show that drafting commits tokens faster than not drafting "
+            "(docs/architecture.md); with relaxed verification (whose output depends on what is drafted) "
+            f"{DRAFT_MAX_ROWS_CPU}. No limit elsewhere. Strict output does not change"
         },
     )
     draft_tree: Optional[int] = field(

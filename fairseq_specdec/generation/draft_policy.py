@@ -1,0 +1,268 @@
+"""How much each row of a batch drafts: the draft length (fixed, adaptive,
+the confidence cut) and whether a batch with so many unfinished rows drafts
+at all (a :class:`RowsRule`).
+
+None of it changes what strict verification outputs, only what is verified
+and so how fast.  :class:`MeasuredRows` decides by timings, so it is used
+only where the output cannot depend on whether a row drafted (strict
+acceptance): the choice of rule is the builder's
+(:func:`fairseq_specdec.generation.build.draft_rows_rule`).
+"""
+import math
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+
+class RowsRule:
+    """Whether an iteration with ``rows`` unfinished rows, of a batch of
+    ``batch`` sentences, drafts.  The loop asks :meth:`drafts_at` before
+    each iteration and reports the iteration to :meth:`observe` after it."""
+
+    def drafts_at(self, rows: int, batch: int) -> bool:
+        raise NotImplementedError
+
+    def observe(self, rows: int, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """An iteration of ``rows`` rows, drafting or not, committed
+        ``tokens`` tokens (all rows together) in ``seconds``."""
+
+    def describe(self) -> Optional[str]:
+        """A phrase for the policy's description (None: says nothing)."""
+        return None
+
+
+class AllRows(RowsRule):
+    """Every iteration drafts, whatever the batch."""
+
+    def drafts_at(self, rows: int, batch: int) -> bool:
+        return True
+
+
+class FixedRows(RowsRule):
+    """No row drafts while more than ``max_rows`` rows of the batch are
+    unfinished (``--draft-max-rows N``): the loop then takes one verifier
+    token per row and iteration, and drafting starts once enough rows have
+    finished (the tail of a batch)."""
+
+    def __init__(self, max_rows: int):
+        if max_rows < 1:
+            raise ValueError(f"--draft-max-rows must be >= 1 (or 0 for no limit), got {max_rows}")
+        self.max_rows = max_rows
+
+    def drafts_at(self, rows: int, batch: int) -> bool:
+        return rows <= self.max_rows
+
+    def describe(self) -> str:
+        return f"drafts once at most {self.max_rows} rows are unfinished"
+
+
+class _Bucket:
+    """What :class:`MeasuredRows` knows of one size of batch: per mode
+    (drafting or not) the iterations timed and the moving average of
+    seconds per committed token; the trial in progress; when to try the
+    losing mode again."""
+
+    __slots__ = ("cost", "count", "trial", "trial_left", "visits", "retry_at", "wait")
+
+    def __init__(self, first_wait: int):
+        self.cost: Dict[bool, float] = {}
+        self.count = {True: 0, False: 0}
+        self.trial: Optional[bool] = None  # the mode being measured now
+        self.trial_left = 0  # its iterations still to time
+        self.visits = 0
+        self.wait = first_wait
+        self.retry_at = first_wait
+
+    def start_trial(self, mode: bool, least: int) -> bool:
+        """Time ``mode`` for ``least`` iterations, its average started anew
+        (the old one may be stale)."""
+        self.trial, self.trial_left = mode, least
+        self.count[mode] = 0
+        return mode
+
+    def measured(self, mode: bool, least: int) -> bool:
+        return self.count[mode] >= least
+
+    def drafting_wins(self, least: int) -> bool:
+        return self.measured(True, least) and self.measured(False, least) and self.cost[True] < self.cost[False]
+
+
+class MeasuredRows(RowsRule):
+    """Drafting at a batch of ``rows`` unfinished rows only where it has
+    been measured, in this generator, to commit tokens faster than not
+    drafting (the default for strict decodings on a CPU).
+
+    A verify pass of k + 1 tokens for every row costs more than a pass of
+    one token, and more so the more rows it holds; whether the drafts it
+    accepts pay for that depends on the drafter, the model, the machine and
+    the batch, so it is measured rather than set.  Batches are grouped by
+    their unfinished rows (exactly up to 8 rows, then in steps of about
+    sqrt(2)); for each group the rule keeps, for drafting and for not
+    drafting, a moving average of the seconds an iteration took per token
+    it committed (the loop's own timings, :meth:`observe`):
+
+    * a batch of one sentence always drafts: the decoding asked for is
+      what runs (the rows left at the end of a larger batch are measured);
+    * a group is first measured without drafting (a batch starts with all
+      its rows, so the large groups are measured first), then drafting is
+      tried there for ``least`` iterations (the trial), but only once
+      drafting has won at the next smaller group (one row: at once): a
+      large batch is not made to draft before smaller ones showed that it
+      pays;
+    * after that the faster mode runs; the slower one is tried again after
+      ``first_wait`` visits of the group, then after twice as many, and so
+      on (at most ``1024``), its average started anew: a drifting machine
+      or a drafter that warms up is followed, at a bounded cost.
+
+    The output never depends on it under strict verification; the
+    statistics (Tok.) may differ from run to run.
+    """
+
+    #: iterations of a mode in a group before its average counts
+    LEAST = 3
+    #: visits of a group before its slower mode is tried again (doubling)
+    FIRST_WAIT = 16
+    MOST_WAIT = 1024
+    #: weight of the newest iteration in a moving average
+    ALPHA = 0.25
+
+    def __init__(self, least: int = LEAST, first_wait: int = FIRST_WAIT):
+        self.least = least
+        self.first_wait = first_wait
+        self.buckets: Dict[int, _Bucket] = {}
+
+    @staticmethod
+    def group(rows: int) -> int:
+        """The group of a batch of ``rows`` unfinished rows: ``rows`` up to
+        8, then one group per factor of about sqrt(2) (9-11, 12-16, 17-22,
+        23-32, ...)."""
+        return rows if rows <= 8 else 8 + math.ceil(2 * math.log2(rows / 8) - 1e-9)
+
+    def _bucket(self, group: int) -> _Bucket:
+        if group not in self.buckets:
+            self.buckets[group] = _Bucket(self.first_wait)
+        return self.buckets[group]
+
+    def drafts_at(self, rows: int, batch: int) -> bool:
+        if batch <= 1:
+            return True
+        group = self.group(rows)
+        b = self._bucket(group)
+        b.visits += 1
+        if b.trial is not None:
+            return b.trial
+        if not b.measured(False, self.least):
+            return False
+        if not b.measured(True, self.least):
+            smaller = group - 1
+            if smaller < 1 or (smaller in self.buckets and self.buckets[smaller].drafting_wins(self.least)):
+                return b.start_trial(True, self.least)
+            return False
+        winner = b.cost[True] < b.cost[False]
+        if b.visits >= b.retry_at:
+            b.wait = min(2 * b.wait, self.MOST_WAIT)
+            b.retry_at = b.visits + b.wait
+            return b.start_trial(not winner, self.least)
+        return winner
+
+    def observe(self, rows: int, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if batch <= 1 or tokens <= 0:
+            return
+        b = self._bucket(self.group(rows))
+        cost = seconds / tokens
+        b.cost[drafted] = cost if b.count[drafted] == 0 else (1 - self.ALPHA) * b.cost[drafted] + self.ALPHA * cost
+        b.count[drafted] += 1
+        if b.trial is not None and b.trial == drafted:  # a trial lasts ``least`` iterations of its mode
+            b.trial_left -= 1
+            if b.trial_left <= 0:
+                b.trial = None
+
+    def describe(self) -> str:
+        return "a batch of several sentences drafts only where measured to be faster"
+
+
+class DraftLengthPolicy:
+    """How many tokens each row may draft, for every drafter.
+
+    * ``adaptive``: a per-row draft length, the heuristic of Hugging Face's
+      assisted generation: it starts at ``init`` (default ``min(5, k)``), grows
+      by 2 after an iteration whose drafts were all accepted, shrinks by 1
+      after one that rejected a draft, and stays within ``[1, k]``; a row that
+      proposed nothing keeps its length.  Without it every row drafts ``k``.
+    * ``min_confidence`` (0 = off): a draft stops before its first token whose
+      drafter probability is below this; needs a drafter that returns
+      log-probs (others are not cut).
+    * ``rows`` (a :class:`RowsRule`; default :class:`AllRows`): whether a
+      batch with so many unfinished rows drafts at all; ``max_rows`` N is
+      ``rows=FixedRows(N)``.  Where a verify pass costs in proportion to its
+      rows (a CPU at batch 32), verifying drafts for many rows at once can
+      cost more than the drafts save.
+
+    None of them changes what strict verification outputs, only what is verified.
+    """
+
+    def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None,
+                 max_rows: Optional[int] = None, rows: Optional[RowsRule] = None):
+        if k < 1:
+            raise ValueError(f"--block-size must be >= 1, got {k}")
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"--draft-min-confidence must be in [0, 1), got {min_confidence}")
+        self.k = k
+        self.adaptive = adaptive
+        self.min_confidence = min_confidence
+        self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        self.init = min(k, 5) if init is None else max(1, min(k, init))
+        if max_rows is not None and rows is not None:
+            raise ValueError("give the draft policy max_rows or a rows rule, not both")
+        self.rows: RowsRule = FixedRows(max_rows) if max_rows is not None else rows or AllRows()
+
+    def drafts_at(self, rows: int, batch: int = 1) -> bool:
+        """Whether an iteration with this many unfinished rows (of a batch of
+        ``batch`` sentences) drafts at all."""
+        return self.rows.drafts_at(rows, batch)
+
+    def observe(self, rows: int, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """The loop's timing of an iteration (see :meth:`RowsRule.observe`)."""
+        self.rows.observe(rows, batch, drafted, tokens, seconds)
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.min_confidence > 0
+
+    def initial(self) -> int:
+        return self.init if self.adaptive else self.k
+
+    def limit(self, draft_tokens: Tensor, draft_lprobs: Optional[Tensor], draft_k: List[int], pad: int) -> Tensor:
+        """Pad out each row's draft past its length and its confidence cut."""
+        width = draft_tokens.size(1)
+        if width == 0:
+            return draft_tokens
+        cut = None
+        if self.adaptive and min(draft_k) < width:
+            cut = torch.arange(width, device=draft_tokens.device).unsqueeze(0) >= torch.tensor(
+                draft_k, device=draft_tokens.device
+            ).unsqueeze(1)
+        if draft_lprobs is not None and self.min_confidence > 0:
+            low = (draft_lprobs < self.log_min_confidence).long().cumsum(1) > 0
+            cut = low if cut is None else cut | low
+        return draft_tokens if cut is None else draft_tokens.masked_fill(cut, pad)
+
+    def update(self, draft_k: List[int], drafted: List[int], accepted: List[int]) -> None:
+        if not self.adaptive:
+            return
+        for i, (d, a) in enumerate(zip(drafted, accepted)):
+            if d == 0:
+                continue
+            draft_k[i] = min(self.k, draft_k[i] + 2) if a == d else max(1, draft_k[i] - 1)
+
+    def __repr__(self):
+        parts = [f"k={self.k}"]
+        if self.adaptive:
+            parts.append(f"adaptive from {self.init}")
+        if self.min_confidence > 0:
+            parts.append(f"confidence cut {self.min_confidence}")
+        rows = self.rows.describe()
+        if rows is not None:
+            parts.append(rows)
+        return ", ".join(parts)
