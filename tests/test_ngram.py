@@ -11,7 +11,7 @@ import torch
 
 import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, check_stats, speculative_run
-from fairseq_specdec.generation import DraftLengthPolicy, MeasuredRows
+from fairseq_specdec.generation import DraftLengthPolicy, FixedRows, MeasuredRows
 from fairseq_specdec.generation.ngram import NgramCorpus, NgramDrafter, _most_frequent, load_ngram_corpus
 
 BOS = EOS = 2
@@ -143,7 +143,7 @@ def test_bad_settings_are_refused():
         with pytest.raises(ValueError, match="--ngram-min-confidence"):
             NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS, min_confidence=floor)
     with pytest.raises(ValueError, match="--draft-max-rows"):
-        DraftLengthPolicy(4, max_rows=0)
+        FixedRows(0)
 
 
 def test_row_rule_default_follows_the_verifier_device_and_the_acceptance():
@@ -166,7 +166,7 @@ def test_row_rule_default_follows_the_verifier_device_and_the_acceptance():
 
 
 def test_row_limit_policy():
-    policy = DraftLengthPolicy(4, max_rows=2)
+    policy = DraftLengthPolicy(4, rows=FixedRows(2))
     assert policy.drafts_at(1) and policy.drafts_at(2) and not policy.drafts_at(3)
     assert DraftLengthPolicy(4).drafts_at(10_000)
 
@@ -242,7 +242,7 @@ def test_row_limit_drafts_only_in_the_tail(verifier, beam1_reference, toy_corpus
     d = task.target_dictionary
     drafter = CountingDrafter(toy_corpus, 20, d.pad(), d.eos()).setup()
     gen = H.spec_gen(model, drafter, d, 3, OPTION_SETS["default"])
-    gen.policy = DraftLengthPolicy(3, max_rows=2)
+    gen.policy = DraftLengthPolicy(3, rows=FixedRows(2))
     got = H.run_generator(gen, model, H.batches(task, "test", 16))
     assert_identical(beam1_reference("default", 16), got)
     assert drafter.drafting_rows and max(drafter.drafting_rows) <= 2

@@ -7,8 +7,9 @@ the row's own fairseq-generate options; all of them are loaded first, then
 each round decodes the same sentences with every row in turn, so a slow
 minute of the machine hits every row alike (``--by-batch``: each batch is
 decoded by every row in turn, the first row rotating, so that even a drift
-within seconds does).  A row's time is its fastest round (ms per sentence); ratios are against the first row, and every row's
-output is compared with the first row's, sentence by sentence.  A row
+within seconds does).  A row's time is its fastest round (ms per
+sentence); ratios are against the first row, and every row's output is
+compared with the first row's, sentence by sentence.  A row
 decoded by the plugin's loop also reports its Tok. (output tokens, EOS
 included, per iteration, from the generator's statistics over one round);
 fairseq's own decoders leave the column empty.
@@ -231,25 +232,24 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
             outputs[row["name"]] = {}
         seconds = {row["name"]: 0.0 for row, *_ in loaded}
         sentences = {row["name"]: 0 for row, *_ in loaded}
-        # --by-batch: every batch decoded by every row in turn (the first row
-        # rotating), so that the machine's drift within a round hits all rows
-        # alike; else each row decodes the whole split in turn
-        order = [(b, list(range(len(loaded)))) for b in range(len(loaded[0][3]))] if args.by_batch else None
-        if order is None:
-            order = [(None, [i]) for i in range(len(loaded))]
-        for b, turn in order:
-            if b is not None:
-                shift = b % len(turn)
-                turn = turn[shift:] + turn[:shift]
-            for i in turn:
-                row, decode, generator, data = loaded[i]
-                for sample in (data if b is None else [data[b]]):
-                    t0 = time.perf_counter()
-                    out = decode(sample)
-                    seconds[row["name"]] += time.perf_counter() - t0
-                    for sid, tokens in zip(sample["id"].tolist(), out):
-                        outputs[row["name"]][sid] = tokens
-                    sentences[row["name"]] += len(out)
+        # (row, its samples) in the order they are decoded: --by-batch, every
+        # batch by every row in turn (the first row rotating), so that the
+        # machine's drift within a round hits all rows alike; else each row
+        # the whole split in turn
+        n = len(loaded)
+        if args.by_batch:
+            rotated = ((b, loaded[(b + j) % n]) for b in range(len(loaded[0][3])) for j in range(n))
+            turns = [(entry, entry[3][b : b + 1]) for b, entry in rotated]
+        else:
+            turns = [(entry, entry[3]) for entry in loaded]
+        for (row, decode, generator, data), samples in turns:
+            for sample in samples:
+                t0 = time.perf_counter()
+                out = decode(sample)
+                seconds[row["name"]] += time.perf_counter() - t0
+                for sid, tokens in zip(sample["id"].tolist(), out):
+                    outputs[row["name"]][sid] = tokens
+                sentences[row["name"]] += len(out)
         for row, decode, generator, data in loaded:
             name = row["name"]
             times[name].append(seconds[name] / max(1, sentences[name]) * 1e3)

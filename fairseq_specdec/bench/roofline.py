@@ -239,7 +239,6 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
              seconds: float = 1.0) -> Dict:
     import torch
 
-    from .. import kernels
     from ..generation.lean_verifier import resolve_gemm
     from ..kernels import rowgemm
 
@@ -257,11 +256,12 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
         read = sizes["bytes"] / (bandwidth * 1e9)
         arithmetic = 2 * m * sizes["params"] / (peak * 1e9)
         ideal[str(m)] = max(read, arithmetic) * 1e3
+    machine = describe()
     result = {
         "threads": torch.get_num_threads(),
-        "machine": {**describe(), "peak_gflops": round(peak, 1), "read_gbs": round(bandwidth, 1),
+        "machine": {**machine, "peak_gflops": round(peak, 1), "read_gbs": round(bandwidth, 1),
                     "op_overhead_us": round(overhead * 1e3, 2)},
-        "isa": kernels.isa() or "torch",
+        "isa": machine["plugin_isa"],
         "weights": {"params": sizes["params"], "mbytes": round(sizes["bytes"] / 2 ** 20, 1)},
         "prefix": prefix,
         "default_gemm": default,

@@ -194,8 +194,7 @@ class DraftLengthPolicy:
       drafter probability is below this; needs a drafter that returns
       log-probs (others are not cut).
     * ``rows`` (a :class:`RowsRule`; default :class:`AllRows`): whether a
-      batch with so many unfinished rows drafts at all; ``max_rows`` N is
-      ``rows=FixedRows(N)``.  Where a verify pass costs in proportion to its
+      batch with so many unfinished rows drafts at all.  Where a verify pass costs in proportion to its
       rows (a CPU at batch 32), verifying drafts for many rows at once can
       cost more than the drafts save.
 
@@ -203,7 +202,7 @@ class DraftLengthPolicy:
     """
 
     def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None,
-                 max_rows: Optional[int] = None, rows: Optional[RowsRule] = None):
+                 rows: Optional[RowsRule] = None):
         if k < 1:
             raise ValueError(f"--block-size must be >= 1, got {k}")
         if not 0.0 <= min_confidence < 1.0:
@@ -213,9 +212,7 @@ class DraftLengthPolicy:
         self.min_confidence = min_confidence
         self.log_min_confidence = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.init = min(k, 5) if init is None else max(1, min(k, init))
-        if max_rows is not None and rows is not None:
-            raise ValueError("give the draft policy max_rows or a rows rule, not both")
-        self.rows: RowsRule = FixedRows(max_rows) if max_rows is not None else rows or AllRows()
+        self.rows: RowsRule = rows or AllRows()
 
     def drafts_at(self, rows: int, batch: int = 1) -> bool:
         """Whether an iteration with this many unfinished rows (of a batch of
