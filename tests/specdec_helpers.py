@@ -1,4 +1,5 @@
 """Shared helpers for the fairseq-specdec tests (imported by conftest and tests)."""
+import dataclasses
 import json
 import os
 import re
@@ -331,10 +332,9 @@ def make_generator(model, drafter, tgt_dict, k, acceptance=None, backend="auto",
     settings = DecodeSettings(block_size=k, **opts)
     resolved = resolve_backend(backend, model, acceptance, settings.temperature, settings.unk_penalty,
                                off=frozenset(off), static=static)
-    gen = SpeculativeGenerator(resolved, drafter, acceptance, tgt_dict, settings, stats)
     if verifier is not None:
-        gen.verifier = gen.backend.verifier = verifier
-    return gen
+        resolved = dataclasses.replace(resolved, verifier=verifier)
+    return SpeculativeGenerator(resolved, drafter, acceptance, tgt_dict, settings, stats)
 
 
 def spec_gen(model, drafter, tgt_dict, k, opts, stats=None, acceptance=None):
@@ -419,6 +419,14 @@ class PairedPass:
     def __init__(self, main, ref):
         self.main, self.ref = main, ref
         self.passes = self.ragged_passes = self.widest = 0
+
+    @property
+    def model(self):
+        return self.main.model
+
+    @property
+    def temperature(self):
+        return self.main.temperature
 
     def encode(self, net_input):
         return self.main.encode(net_input)

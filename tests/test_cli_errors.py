@@ -308,7 +308,7 @@ def test_verify_tau_that_is_not_a_number_is_refused(toy_bin, untrained_verifier,
 def test_infinite_verify_tau_is_no_limit(toy_bin, untrained_verifier, random_drafter_checkpoint):
     gen = build(toy_bin, [untrained_verifier[0]], *DV, "--drafter-path", random_drafter_checkpoint,
                 "--verify-beta", "2", "--verify-tau", "inf")
-    assert gen.acceptance.tau == float("inf")
+    assert gen.step.rule.tau == float("inf")
 
 
 @pytest.mark.parametrize("k", ["-1", "0", "2", "100000"])
@@ -488,7 +488,7 @@ def test_relaxed_decodings_build_a_relaxed_rule(toy_bin, untrained_verifier):
     needs no drafter file)."""
     assert "self-draft" in _decodings(relaxed=True)
     gen = build(toy_bin, [untrained_verifier[0]], "--decoding", "self-draft", "--verify-beta", "3", "--verify-tau", "1")
-    assert (gen.acceptance.beta, gen.acceptance.tau) == (3, 1.0)
+    assert (gen.step.rule.beta, gen.step.rule.tau) == (3, 1.0)
 
 
 @pytest.mark.parametrize("bad", [["--draft-tree", "-1"], ["--draft-max-rows", "-1"], ["--block-size", "0"]],

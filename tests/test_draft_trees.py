@@ -14,6 +14,7 @@
   left;
 * relaxed verification walks the tree with the same rule per node.
 """
+import json
 import random
 
 import pytest
@@ -27,6 +28,7 @@ from fairseq_specdec.generation.drafters import Drafter
 from fairseq_specdec.generation.lean_verifier import LeanVerifier
 from fairseq_specdec.generation.verifier import CachedVerifier
 from fairseq_specdec.generation.tree import DraftTree, chain_tree, tree_from_candidates, tree_from_paths
+from fairseq_specdec.kernels import rowgemm
 
 
 # ---------------------------------------------------------------- the tree's derived views
@@ -274,7 +276,7 @@ def test_relaxed_tree_with_zero_tolerance_is_strict(verifier, beam1_reference, b
     ref = beam1_reference("default", 3)
     drafter = reference_tree_drafter(H.output_tokens(ref), d, seed=11, check_accepted=False)
     gen = tree_generator(model, drafter, d, backend, acceptance=TopBetaAcceptance(5, 0.0))
-    assert gen.fused_accept == (backend == "auto")
+    assert gen.step.native == (backend == "auto")
     assert_identical(ref, run_generator(gen, model, H.batches(task, "test", 3)))
 
 
@@ -292,7 +294,7 @@ def test_relaxed_trees_natively_and_by_tensor_operations_agree(verifier, bsz):
         drafter = reference_tree_drafter(ref, d, seed=13, decoys=3, check_accepted=False)
         gen = H.make_generator(model, drafter, d, 4, acceptance=TopBetaAcceptance(3, 1.0), tree_nodes=24, off=off,
                                **OPTION_SETS["default"])
-        assert gen.fused_accept == (name == "native")
+        assert gen.step.native == (name == "native")
         got[name] = run_generator(gen, model, H.batches(task, "test", bsz))
     assert_identical(got["tensors"], got["native"], atol=0)
 
@@ -396,3 +398,105 @@ def test_a_chain_decoding_refuses_draft_trees_by_name(toy_bin, ar_checkpoint, na
                       "--draft-tree", "4", task="draft_verify", check=False)
     assert proc.returncode != 0
     assert "--draft-tree 4" in proc.stderr and "drafts chains only" in proc.stderr
+
+
+def test_chain_as_tree_script_times_both_forms(ar_checkpoint, toy_bin, tmp_path):
+    """scripts/chain-as-tree.py (the figures in docs/architecture.md) names
+    the machine and times each acceptance step on the chain and on the same
+    chain as a plain tree; the two forms give the same result first."""
+    out = tmp_path / "chain.json"
+    proc = H.run([H.cli("python"), H.ROOT / "scripts" / "chain-as-tree.py", "--path", ar_checkpoint, "--data", toy_bin,
+                  "--drafts", "4", "--calls", "3", "--json", out])
+    assert "CPU: " in proc.stdout and "plugin products: " in proc.stdout
+    figures = json.loads(out.read_text())
+    assert figures["drafts"] == 4
+    steps = ["tensor"] + (["native"] if rowgemm.strict_step_unavailable_reason() is None else [])
+    for step in steps:
+        assert figures[step]["chain_us"] > 0 and figures[step]["as_tree_us"] > 0
+        assert f"{step:6s} acceptance step: chain" in proc.stdout
+
+
+@pytest.mark.parametrize("rule", ["strict", "relaxed"])
+@pytest.mark.parametrize("bsz,k", [(1, 1), (1, 6), (5, 4)])
+def test_a_chain_steps_as_the_same_chain_as_a_tree(toy_bin, rule, bsz, k):
+    """A ChainTree's cheaper forms (slices, a running sum, the accepted count
+    as a product) give what the tree forms give for the same chain handed
+    over as a plain DraftTree, on both acceptance steps: tokens, log-probs,
+    running scores and counts, bitwise; drafts planted to be accepted for a
+    random number of slots, pads in some rows."""
+    from fairseq_specdec.generation.accept_step import FairseqRules, NativeStep, TensorStep, native_step_unavailable
+    from fairseq_specdec.generation.acceptance import StrictAcceptance
+
+    vocab = 40
+    rules = FairseqRules(pad=1, unk=3, eos=2, vocab_size=vocab, min_len=2)
+    acceptance = StrictAcceptance() if rule == "strict" else TopBetaAcceptance(3, 1.0)
+    steps = [TensorStep(acceptance, rules)]
+    if native_step_unavailable(acceptance, 0.0) is None:
+        steps.append(NativeStep(TensorStep(acceptance, rules)))
+    g = torch.Generator().manual_seed(bsz * 10 + k)
+    for trial in range(6):
+        logits = torch.randn(bsz, k + 1, vocab, generator=g) * 3
+        drafts = torch.randint(4, vocab, (bsz, k), generator=g)
+        for r in range(bsz):
+            right = int(torch.randint(0, k + 1, (1,), generator=g))
+            for j in range(right):  # make draft j the greedy pick at its slot
+                logits[r, j, drafts[r, j]] = logits[r, j].max() + 5
+            if trial % 2 and r % 2:
+                drafts[r, right:] = rules.pad
+        lprobs = torch.log_softmax(logits, -1)
+        lengths = torch.randint(0, 6, (bsz,), generator=g)
+        last = torch.full((bsz, 1), 2)
+        state = type("S", (), dict(lengths=lengths, lengths_host=lengths.tolist(), cum=-torch.rand(bsz, generator=g),
+                                   size=bsz, last_tokens=staticmethod(lambda: last)))()
+        chain = chain_tree(drafts)
+        tree = DraftTree(drafts, chain.parents.clone())
+        for step in steps:
+            a = step(state, lprobs.clone(), chain, None, 12, True)
+            b = step(state, lprobs.clone(), tree, None, 12, True)
+            assert a.path is None and b.path is not None
+            assert a.n_new.tolist() == b.n_new.tolist() and torch.equal(a.cum, b.cum)
+            assert a.counts[:3].tolist() == b.counts[:3].tolist()
+            for r, n in enumerate(a.n_new.tolist()):
+                assert a.new_tokens[r, :n].tolist() == b.new_tokens[r, :n].tolist()
+                assert torch.equal(a.new_lprobs[r, :n], b.new_lprobs[r, :n])
+                assert b.path[r, : a.counts[2, r] + 1].tolist() == list(range(a.counts[2, r] + 1))
+
+
+class RecordingPass:
+    """A verify pass seen through a proxy that records every member the loop
+    reads or writes on it."""
+
+    def __init__(self, inner):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "touched", set())
+
+    def __getattr__(self, name):
+        self.touched.add(name)
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        self.touched.add(name)
+        setattr(self._inner, name, value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafts", ["chains", "trees"])
+def test_the_loop_touches_only_what_the_verify_pass_declares(verifier, beam1_reference, drafts):
+    """The loop, its iteration and the decoding state use no member of the
+    verify pass that :class:`VerifyPass` does not declare (its methods and
+    the attributes its ``__init__`` sets)."""
+    from fairseq_specdec.generation.verify_pass import VerifyPass
+
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference("default", 3)
+    recording = RecordingPass(LeanVerifier(model))
+    if drafts == "trees":
+        gen = tree_generator(model, reference_tree_drafter(H.output_tokens(ref), d, seed=3), d, "auto",
+                             verifier=recording)
+    else:
+        gen = H.make_generator(model, H.partly_right(ref, d), d, 4, verifier=recording, **OPTION_SETS["default"])
+    assert_identical(ref, run_generator(gen, model, H.batches(task, "test", 3)))
+    declared = set(dir(VerifyPass)) | set(vars(VerifyPass(model)))
+    assert {"forward", "rollback", "reorder"} <= recording.touched
+    assert recording.touched <= declared, sorted(recording.touched - declared)

@@ -21,6 +21,7 @@ import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, run_generator, seq_gen
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import NATBlockDrafter, NoDrafter, SpeculativeGenerator, StrictAcceptance, TopBetaAcceptance
+from fairseq_specdec.generation.tree import chain_tree
 from fairseq_specdec.kernels import rowgemm
 
 pytestmark = pytest.mark.skipif(
@@ -101,19 +102,22 @@ def planted_case(seed, d, bsz, k, second=False):
     lprobs[nans & (lprobs < -3)] = float("nan")
     lengths = torch.randint(0, 12, (bsz,), generator=g)
     cum = -torch.rand(bsz, generator=g) * 10
+    last = drafts.new_zeros(bsz, 1)
     state = types.SimpleNamespace(lengths=lengths, lengths_host=lengths.tolist(), cum=cum, size=bsz,
-                                  device=torch.device("cpu"))
+                                  device=torch.device("cpu"), last_tokens=lambda: last)
     return lprobs, drafts, drafted, state
 
 
 def accept(gen, fused, lprobs, drafts, drafted, state, max_len):
-    gen.fused_accept = fused
-    return gen._accept(state, lprobs, drafts, None, drafted if drafts.size(1) else None, max_len, True)
+    """The generator's native step (``fused``) or the tensor step it falls back to."""
+    step = gen.step if fused else gen.step.fallback
+    return step(state, lprobs, chain_tree(drafts), drafted if drafts.size(1) else None, max_len, True)
 
 
 def assert_same_step(a, b):
-    tokens_a, lprobs_a, n_a, cum_a, counts_a = a
-    tokens_b, lprobs_b, n_b, cum_b, counts_b = b
+    tokens_a, lprobs_a, n_a, cum_a, counts_a, path_a = a
+    tokens_b, lprobs_b, n_b, cum_b, counts_b, path_b = b
+    assert path_a is None and path_b is None  # a chain
     assert n_a.tolist() == n_b.tolist()
     assert counts_a.tolist() == counts_b.tolist()
     assert torch.equal(cum_a, cum_b)  # bitwise: the same float32 additions
@@ -129,7 +133,7 @@ def test_fused_step_gives_the_tensor_operations_values(model_and_dict, monkeypat
     model, task = model_and_dict
     d = task.target_dictionary
     gen = generator(model, d, acceptance=rule_of(rule), min_len=rules.get("min_len", 1))
-    assert gen.fused_accept
+    assert gen.step.native
     counting = CountingStep(monkeypatch)
     max_len = rules.get("max_len", 200)
     accepted = set()
@@ -155,7 +159,7 @@ def test_a_tie_is_left_to_the_tensor_operations(model_and_dict, monkeypatch):
     drafts[:] = d.nspecial  # row 1 ties at its first slot between two tokens, both not drafted
     lprobs[1, 0, d.nspecial + 1] = lprobs[1, 0, d.nspecial + 2] = 5.0
     fused = accept(gen, True, lprobs.clone(), drafts, drafted, state, 200)
-    assert counting.calls == 1 and counting.ties == 1 and gen.fused_ties == 1
+    assert counting.calls == 1 and counting.ties == 1 and gen.step.ties == 1
     assert_same_step(fused, accept(gen, False, lprobs.clone(), drafts, drafted, state, 200))
     # a tie in a slot after the first rejection is never read: no fallback
     lprobs[1, 0, d.nspecial + 2] = 4.0
@@ -180,7 +184,7 @@ def test_decodings_through_the_fused_step_equal_beam1(model_and_dict, tiny_draft
     for impl in ("fused", "torch"):
         gen = H.make_generator(model, NATBlockDrafter(tiny_drafter[0]), d, 3,
                                off=("accept",) if impl == "torch" else (), **options)
-        assert gen.fused_accept == (impl == "fused")
+        assert gen.step.native == (impl == "fused")
         got[impl] = run_generator(gen, model, H.batches(task, "test", bsz))
         assert_identical(ref, got[impl])
     assert_identical(got["torch"], got["fused"], atol=0)
@@ -197,8 +201,8 @@ def test_the_backend_chooses_the_native_step_where_it_runs(model_and_dict):
     def build(acceptance, backend="auto", **opts):
         return H.make_generator(model, NoDrafter(), d, 3, acceptance, backend=backend, **opts)
 
-    assert build(StrictAcceptance()).fused_accept
-    assert not build(StrictAcceptance(), "reference").fused_accept
-    assert build(TopBetaAcceptance(3, 1.0)).fused_accept
-    assert not build(TopBetaAcceptance(3, 1.0, "drafter")).fused_accept
-    assert not build(StrictAcceptance(), unk_penalty=1.5).fused_accept
+    assert build(StrictAcceptance()).step.native
+    assert not build(StrictAcceptance(), "reference").step.native
+    assert build(TopBetaAcceptance(3, 1.0)).step.native
+    assert not build(TopBetaAcceptance(3, 1.0, "drafter")).step.native
+    assert not build(StrictAcceptance(), unk_penalty=1.5).step.native

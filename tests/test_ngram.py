@@ -241,8 +241,7 @@ def test_row_limit_drafts_only_in_the_tail(verifier, beam1_reference, toy_corpus
     model, task = verifier
     d = task.target_dictionary
     drafter = CountingDrafter(toy_corpus, 20, d.pad(), d.eos()).setup()
-    gen = H.spec_gen(model, drafter, d, 3, OPTION_SETS["default"])
-    gen.policy = DraftLengthPolicy(3, rows=FixedRows(2))
+    gen = H.spec_gen(model, drafter, d, 3, dict(OPTION_SETS["default"], draft_policy=DraftLengthPolicy(3, rows=FixedRows(2))))
     got = H.run_generator(gen, model, H.batches(task, "test", 16))
     assert_identical(beam1_reference("default", 16), got)
     assert drafter.drafting_rows and max(drafter.drafting_rows) <= 2
@@ -271,9 +270,8 @@ def test_measured_rows_follow_the_loops_timings_and_keep_the_output(verifier, be
     drafting = {}
     for factor in (100.0, 0.01):
         drafter = CountingDrafter(toy_corpus, 20, d.pad(), d.eos()).setup()
-        gen = H.spec_gen(model, drafter, d, 3, OPTION_SETS["default"])
         rule = SkewedRows(factor)
-        gen.policy = DraftLengthPolicy(3, rows=rule)
+        gen = H.spec_gen(model, drafter, d, 3, dict(OPTION_SETS["default"], draft_policy=DraftLengthPolicy(3, rows=rule)))
         for _ in range(4):  # the rule lives as long as its generator: what it measured carries over
             got = H.run_generator(gen, model, H.batches(task, "test", 16))
             assert_identical(beam1_reference("default", 16), got)

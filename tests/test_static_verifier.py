@@ -164,7 +164,7 @@ def test_backend_option_reaches_the_generator(ar_checkpoint, random_drafter_chec
     task = tasks.setup_task(cfg.task)
     models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
     gen = task.build_generator(models, cfg.generation)
-    assert type(gen.verifier) is CachedVerifier and not gen.fused_accept
+    assert type(gen.verifier) is CachedVerifier and not gen.step.native
     assert gen.backend.name == "reference"
     cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--path", ar_checkpoint, "--specdec-backend", "reference")
     with pytest.raises(ValueError, match="--specdec-backend reference applies to speculative decodings only"):

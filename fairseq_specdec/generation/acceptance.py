@@ -10,29 +10,34 @@ A rule maps, for a batch of B rows and k drafted tokens,
 to a B x k bool tensor "draft j is acceptable at its slot".  The loop keeps the
 longest acceptable prefix and then the verifier's own token.
 
-A rule also states ``uses_draft_scores`` (it reads the drafter's log-probs),
-``fused`` (the native extension's one-call step computes it, where the
-backend chose that step) and ``native`` (what that step is told: None for
-strict, ``(beta, tau)`` for top-beta with the verifier's scores).
+In a draft tree the same holds node by node: ``lprobs`` and ``greedy`` are
+those of each node's parent slot, where the node's token was predicted.
+
+A rule states ``uses_draft_scores`` (it reads the drafter's log-probs).  How
+a native step computes a rule is the step's concern
+(:mod:`~fairseq_specdec.generation.accept_step`), not the rule's.
 """
-from typing import Optional
+from abc import ABC, abstractmethod
 
 import torch
 from torch import Tensor
 
-from ..kernels import rowgemm
-
 VERIFY_SCORES = ("verifier", "drafter")
 
 
-class StrictAcceptance:
-    """Accept a draft only if it is the verifier's greedy token: lossless."""
+class AcceptanceRule(ABC):
+    """Which drafted tokens are acceptable (see the module docstring)."""
 
+    #: whether the rule reads the drafter's log-probs of its tokens
     uses_draft_scores = False
-    #: the extension's ``strict_step`` (the native acceptance step) computes this rule
-    fused = True
-    #: the native step's rule: strict
-    native = None
+
+    @abstractmethod
+    def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
+        """B x n bool: draft j acceptable at its slot."""
+
+
+class StrictAcceptance(AcceptanceRule):
+    """Accept a draft only if it is the verifier's greedy token: lossless."""
 
     def __call__(self, draft_tokens: Tensor, draft_lprobs, lprobs: Tensor, greedy: Tensor) -> Tensor:
         return draft_tokens.eq(greedy)
@@ -41,7 +46,7 @@ class StrictAcceptance:
         return "strict"
 
 
-class TopBetaAcceptance:
+class TopBetaAcceptance(AcceptanceRule):
     """Relaxed verification (Xia et al. 2023, Eq. 8-9; the SpecDec ICLR 2023 submission, Eq. 6-7).
 
     A draft is acceptable when it is among the verifier's top-``beta``
@@ -62,9 +67,6 @@ class TopBetaAcceptance:
             raise ValueError(f"--verify-score must be one of {VERIFY_SCORES}, got {score!r}")
         self.beta, self.tau, self.score = beta, tau, score
         self.uses_draft_scores = score == "drafter"
-        #: the native step computes the rule with the verifier's scores
-        self.fused = score == "verifier"
-        self.native = (beta, tau)
 
     def __call__(self, draft_tokens, draft_lprobs, lprobs, greedy):
         top_values, top_indices = lprobs.topk(min(self.beta, lprobs.size(-1)), dim=-1)
@@ -81,17 +83,6 @@ class TopBetaAcceptance:
 
     def __repr__(self):
         return f"top-beta(beta={self.beta}, tau={self.tau}, score={self.score})"
-
-
-def fused_accept_reason(rule, unk_penalty: float) -> Optional[str]:
-    """Why the native acceptance step cannot run ``rule`` (None: it can, on a
-    CPU verifier's float32 log-probs): the extension's one call computes
-    strict acceptance under fairseq's rules without ``--unkpen``."""
-    if not rule.fused:
-        return f"it computes strict and top-beta verification with the verifier's scores, and the rule is {rule!r}"
-    if unk_penalty != 0:
-        return f"it applies no --unkpen, and --unkpen is {unk_penalty}"
-    return rowgemm.strict_step_unavailable_reason()
 
 
 def build_acceptance(beta: int, tau: float, score: str):

@@ -39,8 +39,10 @@ from typing import FrozenSet, Optional, Tuple
 import torch
 
 from ..kernels import OFF_ENV, applies_to, parts_off, rowgemm, unavailable_reason
-from .acceptance import fused_accept_reason
-from .drafters import NO_KERNELS, DraftKernels
+from .accept_step import AcceptanceStep, FairseqRules, NativeStep, TensorStep, native_step_unavailable
+from .drafters import NO_KERNELS, Drafter, DraftKernels
+from .iteration import EagerRunner
+from .iteration_graphs import IterationGraphs
 from .lean_verifier import LeanVerifier, lean_unsupported_reason
 from .static_verifier import StaticVerifier
 from .verifier import CachedVerifier
@@ -59,10 +61,12 @@ AUTO_GRAPH_ROWS = 1
 class Backend:
     """What computes an iteration, resolved once per generator.
 
-    ``verifier``: the verify pass; ``fused_accept``: the step after it runs
-    as one call of the native extension (strict acceptance, float32
-    log-probs on a CPU); ``drafting``: what drafters may compute natively;
-    ``iteration``: ``static`` or ``iteration`` where whole iterations of a
+    The loop takes strategy objects from it: ``verifier`` (the verify
+    pass), :meth:`acceptance_step` and :meth:`runners`.  Drafters read
+    ``drafting`` (what they may compute natively).  The rest records the
+    choice: ``fused_accept``, the acceptance step is one call of the native
+    extension (strict or top-beta acceptance, float32 log-probs on a CPU);
+    ``iteration``, ``static`` or ``iteration`` where whole iterations of a
     batch of one sentence run on fixed buffers (``iteration``: captured as
     CUDA graphs), else None; ``reasons``: why, for the log."""
 
@@ -73,6 +77,27 @@ class Backend:
     iteration: Optional[str] = None
     reasons: Tuple[str, ...] = ()
     off: FrozenSet[str] = field(default_factory=frozenset)
+
+    def acceptance_step(self, rule, rules: FairseqRules) -> AcceptanceStep:
+        """The step from the pass's log-probs to the tokens appended, for
+        acceptance ``rule`` under fairseq's ``rules``."""
+        tensors = TensorStep(rule, rules)
+        if not self.fused_accept:
+            return tensors
+        if rules.unk_penalty != 0:
+            raise ValueError("the backend's native acceptance step applies no --unkpen; resolve the backend "
+                             "with the generator's --unkpen")
+        return NativeStep(tensors)
+
+    def runners(self, drafter: Drafter, trees: bool) -> tuple:
+        """``(eager, whole)``: the runner of every iteration, and the runner
+        of a batch of one sentence's iterations on fixed buffers, or None
+        (no such choice, draft trees, or a drafter that cannot work on fixed
+        buffers: ``Drafter.static_inputs``)."""
+        whole = None
+        if self.iteration in ("static", "iteration") and not trees and drafter.static_inputs():
+            whole = IterationGraphs(self.verifier, drafter, graphs=self.iteration == "iteration")
+        return EagerRunner(), whole
 
     def describe(self) -> str:
         """One line for the log: the choice, its parts and why."""
@@ -144,7 +169,7 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
                        reasons=(f"torch's products: the native kernels do not run ({native})",), off=off)
     verifier = LeanVerifier(model, temperature, gemm="rowgemm", encoder="fairseq" if "encoder" in off else "auto",
                             fused_layers="layers" not in off)
-    fused = "accept" not in off and fused_accept_reason(acceptance, unk_penalty) is None
+    fused = "accept" not in off and native_step_unavailable(acceptance, unk_penalty) is None
     precision = "bfloat16" if "bf16" not in off and rowgemm.bfloat16_available() else "float32"
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off)
     return Backend(name, verifier, fused_accept=fused, drafting=drafting,

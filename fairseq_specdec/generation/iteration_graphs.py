@@ -77,19 +77,40 @@ class StaticState:
 
 
 class IterationGraphs:
-    """The captured (``graphs=True``) or eager steps of batches of one
-    sentence, one per key, over one :class:`StaticState`."""
+    """The captured (``graphs=True``) or eager iterations of batches of one
+    sentence, one per key, over one :class:`StaticState`: a runner of
+    :class:`~fairseq_specdec.generation.iteration.Iteration` as
+    :class:`~fairseq_specdec.generation.iteration.EagerRunner` is, for the
+    static-shape verify pass ``verifier``
+    (:class:`~fairseq_specdec.generation.static_verifier.StaticVerifier`)
+    and a drafter that switched to fixed buffers (``static_inputs()``)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, graphs: bool):
+    def __init__(self, verifier, drafter, graphs: bool):
+        device = verifier.device
         if graphs and device.type != "cuda":
             raise ValueError(f"whole iterations as CUDA graphs need a CUDA device, not {device}")
+        self.verifier, self.drafter = verifier, drafter
         self.graphs = graphs
-        self.inputs = StaticState(device, dtype)
+        self.inputs = StaticState(device, torch.float32)
         #: key -> the step's graph; its counts are read by the tests
         self.graph_cache = GraphCache()
         self._key = None  # what the captured graphs were made for
         #: steps run here
         self.runs = 0
+
+    def start_batch(self, state) -> None:
+        """A new batch: the verify pass starts it now (its buffers and
+        buckets: what a captured iteration must not do) and runs its passes
+        eagerly inside this runner's captures."""
+        self.verifier.begin(state, replay=False)
+        self.start(self.verifier.generation)
+
+    def run(self, state, iteration, k: int, max_len: int, host_checks: bool) -> tuple:
+        """``iteration`` on the fixed buffers, with no host read inside and
+        fairseq's length rules applied unconditionally: one captured step
+        (drafter, verify pass, rules, acceptance) per shape."""
+        key = (k, max_len, self.verifier.rows, self.verifier.source, self.drafter.static_key())
+        return self.replay(state, key, lambda inputs: iteration(inputs, k, max_len, False, True))
 
     def start(self, key: Hashable) -> None:
         """A new batch; ``key`` changes when the buffers the steps read were
@@ -99,7 +120,7 @@ class IterationGraphs:
             self.graph_cache.clear()
             self._key = key
 
-    def run(self, state, key: Hashable, step: Callable[[StaticState], tuple]) -> tuple:
+    def replay(self, state, key: Hashable, step: Callable[[StaticState], tuple]) -> tuple:
         """``step(inputs)`` after the state's inputs are loaded, replayed from
         the graph of ``key`` (captured now if it is new)."""
         self.inputs.load(state)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -134,6 +135,69 @@ class DraftTree:
     def max_depth(self) -> int:
         return self.paths.size(2) - 1
 
+    # -- what the acceptance step reads of a tree ----------------------------
+    #: declared by :class:`ChainTree`: every slot i hangs from slot i - 1, and
+    #: the methods below take their cheaper chain forms
+    chain = False
+
+    def parent_values(self, x: Tensor) -> Tensor:
+        """B x n (x ...): ``x``'s entry at each node's parent slot (``x``:
+        B x (1 + n) (x ...), one entry per slot)."""
+        index = self.parents[:, 1:]
+        if x.dim() == 3:
+            index = index.unsqueeze(-1).expand(-1, -1, x.size(-1))
+        return x.gather(1, index)
+
+    def running_scores(self, cum: Tensor, draft_vlp: Tensor, on_host: bool) -> Tensor:
+        """B x (1 + n) float32 running scores before each slot: the row's
+        ``cum`` at the root, then the parent's plus the parent-slot log-prob
+        of the node's token (``draft_vlp``, B x n), one float32 addition per
+        node: SequenceGenerator's order along every root path.  ``on_host``
+        adds through numpy (a CPU tensor's memory is shared: nothing is
+        copied), otherwise node by node on the device, with no read back."""
+        bsz, n = draft_vlp.shape
+        if on_host:
+            running = np.empty((bsz, n + 1), dtype=np.float32)
+            running[:, 0] = cum.cpu().numpy()
+            vlp = draft_vlp.cpu().numpy()
+            par = self.parents.cpu().numpy()
+            rows = np.arange(bsz)
+            for i in range(1, n + 1):
+                running[:, i] = running[rows, par[:, i]] + vlp[:, i - 1]
+            return torch.from_numpy(running).to(cum.device)
+        running = torch.empty((bsz, n + 1), dtype=torch.float32, device=cum.device)
+        running[:, 0] = cum
+        for i in range(1, n + 1):
+            torch.add(running.gather(1, self.parents[:, i : i + 1]).squeeze(1), draft_vlp[:, i - 1],
+                      out=running[:, i])
+        return running
+
+    def deepest_acceptable(self, ok: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """From ``ok`` (B x n: each node acceptable at its parent) to each
+        row's accepted count and path: the deepest root path all of whose
+        nodes are acceptable (the first in slot order), as ``(depth,
+        B x (1 + D) slots)``; a chain's path is None (slots ``0 .. k``)."""
+        bsz = ok.size(0)
+        bad = torch.cat([ok.new_zeros(bsz, 1), ~ok], dim=1)
+        reach = ~(self.ancestors & bad.unsqueeze(1)).any(dim=2)  # no unacceptable node on the root path
+        depths = self.depths
+        chosen = torch.where(reach, depths, torch.full_like(depths, -1)).argmax(dim=1)  # the first deepest
+        rows = torch.arange(bsz, device=ok.device)
+        return depths[rows, chosen], self.paths[rows, chosen]
+
+    @staticmethod
+    def along(x: Tensor, path: Optional[Tensor]) -> Tensor:
+        """``x`` (B x (1 + n) (x ...), one entry per slot) at the slots of
+        ``path`` (B x (1 + D)); ``x`` itself where ``path`` is None (a chain)."""
+        if path is None:
+            return x
+        index = path if x.dim() == 2 else path.unsqueeze(-1).expand(-1, -1, x.size(-1))
+        return x.gather(1, index)
+
+    def drafted_counts(self, pad: int) -> Tensor:
+        """B: each row's drafted nodes (those not pad)."""
+        return self.tokens.ne(pad).sum(dim=1)
+
     def is_chain(self) -> bool:
         """Whether every row's slot i has parent i - 1."""
         m = self.slots
@@ -161,11 +225,59 @@ class DraftTree:
         return tree
 
 
-def chain_tree(tokens: Tensor, lprobs: Optional[Tensor] = None) -> DraftTree:
+class ChainTree(DraftTree):
+    """A chain of k drafts: the tree whose slot i hangs from slot i - 1.
+
+    It answers every question of a tree, and declares :attr:`chain` so that
+    what reads it can take the chain's cheaper forms: a verify pass its
+    causal mask (``forward`` with no ``tree``), the acceptance step slices
+    instead of gathers.  A pad stops a chain: nothing after it is drafted.
+    Its derived views are made on the device from ``arange`` (no host read:
+    a chain is what a captured iteration drafts)."""
+
+    chain = True
+
+    def _derive(self) -> None:
+        bsz, m = self.parents.shape
+        slots = torch.arange(m, device=self.parents.device)
+        self._cache.update(
+            depths=slots.unsqueeze(0).expand(bsz, -1),
+            ancestors=(slots.unsqueeze(1) >= slots.unsqueeze(0)).unsqueeze(0).expand(bsz, -1, -1),
+            paths=torch.minimum(slots.unsqueeze(1), slots.unsqueeze(0)).unsqueeze(0).expand(bsz, -1, -1),
+        )
+
+    def parent_values(self, x: Tensor) -> Tensor:
+        return x[:, : self.size]
+
+    def running_scores(self, cum: Tensor, draft_vlp: Tensor, on_host: bool) -> Tensor:
+        # a chain's root paths are its prefixes: a running sum, in float32,
+        # one addition at a time (np.cumsum adds in order)
+        n, k = draft_vlp.shape
+        if on_host:
+            running = np.empty((n, k + 1), dtype=np.float32)
+            running[:, 0] = cum.cpu().numpy()
+            if k > 0:
+                path = np.concatenate([running[:, :1], draft_vlp.cpu().numpy()], axis=1)
+                np.cumsum(path, axis=1, dtype=np.float32, out=running)
+            return torch.from_numpy(running).to(cum.device)
+        running = torch.empty((k + 1, n), dtype=torch.float32, device=cum.device)  # slot x row
+        running[0] = cum
+        for j in range(k):
+            torch.add(running[j], draft_vlp[:, j], out=running[j + 1])
+        return running.t()
+
+    def deepest_acceptable(self, ok: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        return ok.long().cumprod(dim=1).sum(dim=1), None
+
+    def drafted_counts(self, pad: int) -> Tensor:
+        return self.tokens.ne(pad).long().cumprod(dim=1).sum(dim=1)
+
+
+def chain_tree(tokens: Tensor, lprobs: Optional[Tensor] = None) -> ChainTree:
     """B x k drafts as a chain (slot i's parent: slot i - 1)."""
     bsz, k = tokens.shape
     parents = torch.arange(-1, k, device=tokens.device).unsqueeze(0).expand(bsz, -1)
-    return DraftTree(tokens, parents, lprobs)
+    return ChainTree(tokens, parents, lprobs)
 
 
 @lru_cache(maxsize=64)

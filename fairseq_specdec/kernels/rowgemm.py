@@ -266,7 +266,7 @@ def strict_step(lprobs: Tensor, drafts: Tensor, cum: Tensor, lengths: Tensor, dr
     from the verify pass's B x (k + 1) x V float32 log-probs (read, not
     changed), the B x k drafts, the running scores ``cum`` and the output
     lengths of the rows, to ``(new_tokens, new_lprobs, n_new, cum, counts)``
-    as ``SpeculativeGenerator._step`` computes them with tensor operations
+    as the tensor acceptance step (``generation.accept_step.TensorStep``) computes them
     under strict acceptance and no ``--unkpen``.  ``drafted``: each row's
     count of drafted tokens (empty: the accepted counts stand in).  None where
     a slot the rows read has a tie for its largest log-prob plus running

@@ -1,13 +1,13 @@
 // The tail of one iteration of the speculative loop under strict
 // verification, on a CPU, in one call: from the verify pass's log-probs to
 // the tokens each row appends.  It replaces some twenty tensor operations
-// of SpeculativeGenerator._step (fairseq's per-step rules, the running
+// of the tensor acceptance step (generation/accept_step.py TensorStep: fairseq's per-step rules, the running
 // scores along the draft path, each slot's top-2 pick, the accepted prefix,
 // the EOS search, the running score after the new tokens), each of which
 // costs more in dispatch than in arithmetic at a verify pass's few rows.
 //
 // Contract (the values of the tensor-operation path, exactly):
-// * fairseq's rules as SpeculativeGenerator._mask_lprobs applies them with
+// * fairseq's rules as FairseqRules.mask (generation/accept_step.py) applies them with
 //   no --unk-penalty: NaN reads -inf, the pad reads -inf, the EOS reads -inf
 //   at output steps before min_len, every token but the EOS reads -inf at
 //   steps >= max_len (slot j of row r is output step lengths[r] + j);
