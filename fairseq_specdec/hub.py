@@ -47,7 +47,8 @@ from fairseq import file_utils, hub_utils
 from fairseq.hub_utils import GeneratorHubInterface
 
 from .generation.registry import AUTOREGRESSIVE
-from .tasks.draft_verify import DraftVerifyConfig
+from .generation.speculative import SpeculativeGenerator
+from .tasks.draft_verify import DraftVerifyConfig, DraftVerifyTask
 
 logger = logging.getLogger(__name__)
 
@@ -145,13 +146,12 @@ class SpecDecHubInterface(GeneratorHubInterface):
         with open_dict(gen_args):
             gen_args.beam = 1
         generator = self.task.build_generator(self.models, gen_args)
-        stats = getattr(generator, "stats", None)
-        if stats is not None:
-            stats.close()
+        if isinstance(generator, SpeculativeGenerator):
+            generator.stats.close()
 
     @property
     def decoding(self) -> str:
-        return getattr(self.task.cfg, "decoding", AUTOREGRESSIVE)
+        return self.task.cfg.decoding if isinstance(self.task, DraftVerifyTask) else AUTOREGRESSIVE
 
     def _beam(self, beam: Optional[int], fairseq_default: int) -> int:
         if beam is not None:

@@ -145,7 +145,7 @@ def render() -> str:
     from fairseq_specdec.models.specdec_vsd import SpecDecVSDConfig
     from fairseq_specdec.tasks.draft_verify import DraftVerifyConfig, DraftVerifyTask
 
-    speculative = ", ".join(f"`--{name.replace('_', '-')}`" for name, _ in DraftVerifyTask.SPECULATIVE_OPTIONS)
+    speculative = ", ".join(f"`--{name.replace('_', '-')}`" for name in DraftVerifyTask.SPECULATIVE_OPTIONS)
     parts = [HEADER]
     parts.append("## Decodings (`--decoding NAME`)\n\nThe registered decodings "
                  "(`fairseq_specdec/generation/registry.py`; another plugin can register more):\n")

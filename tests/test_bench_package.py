@@ -59,13 +59,19 @@ def test_unlabelled_drafter_keeps_todays_names():
                                               "draft-verify beta=5 tau=3"]
 
 
-def test_rows_of_every_registered_decoding():
-    """Each bench_model puts its own checkpoint in --path; --decoding NAME and
-    bench_extra follow; a decoding that takes a drafter gets a row per drafter."""
+def test_rows_of_every_registered_decoding(monkeypatch):
+    """Each decoding's bench entry puts its own checkpoint in --path; --decoding
+    NAME and the entry's options follow; a decoding that takes a drafter gets a
+    row per drafter (by default, with no entry of its own)."""
+    monkeypatch.setattr(specs, "BENCH_ENTRIES", dict(specs.BENCH_ENTRIES))
+    specs.register_bench_entry("solo", specs.BenchEntry(label="solo decoder", extra=("--x", "1")))
+    specs.register_bench_entry("heads", specs.BenchEntry("blockwise"))
+    with pytest.raises(ValueError, match="bench model 'nowhere' is none of"):
+        specs.register_bench_entry("bad", specs.BenchEntry("nowhere"))
     decodings = {
-        "solo": Decoding(name="solo", help="", build=None, bench_label="solo decoder", bench_extra=["--x", "1"]),
-        "paired": Decoding(name="paired", help="", build=None, bench_model="verifier+drafter"),
-        "heads": Decoding(name="heads", help="", build=None, bench_model="blockwise"),
+        "solo": Decoding(name="solo", help="", build=None),
+        "paired": Decoding(name="paired", help="", build=None, takes_drafter=True),
+        "heads": Decoding(name="heads", help="", build=None),
     }
     build = builder(drafters=("a", "b"), decodings=decodings)
     wanted = specs.resolve_rows("beam5,beam1,solo,paired,heads", decodings, build.drafters, "bw.pt")
@@ -84,7 +90,7 @@ def test_rows_of_every_registered_decoding():
 def test_a_kind_can_be_limited_to_some_drafters():
     """KIND:LABEL+LABEL: the kind's rows for those --drafter labels only (a
     decoding that needs a tree drafter gets no row with a chain-only one)."""
-    decodings = {"paired": Decoding(name="paired", help="", build=None, bench_model="verifier+drafter")}
+    decodings = {"paired": Decoding(name="paired", help="", build=None, takes_drafter=True)}
     build = builder(drafters=("a", "b", "c"), decodings=decodings)
     wanted = specs.resolve_rows("beam5,beam1,paired:b,strict:a+c", decodings, build.drafters, None)
     assert wanted == ["beam5", "beam1", "paired:b", "strict:a+c"]
@@ -99,16 +105,17 @@ def test_a_kind_can_be_limited_to_some_drafters():
 
 
 def test_registry_rows_of_the_plugin():
-    """The plugin's own decodings are rows, built from their registry entries."""
+    """The plugin's own decodings are rows, built from their registry entries
+    and the benchmark's own entries of them (label, checkpoint)."""
     assert {"draft-verify", "input-guided", "blockwise"} <= set(specs.row_kinds(DECODINGS))
     # draft-verify is the strict row
     assert specs.resolve_rows("beam5,beam1,draft-verify,strict", DECODINGS, builder().drafters, None) == [
         "beam5", "beam1", "strict"]
     rows = {r["name"]: r for r in builder().main_rows(["input-guided", "blockwise"], [1], [1], [])}
-    assert rows["input-guided@bs1"]["label"] == DECODINGS["input-guided"].label
+    assert rows["input-guided@bs1"]["label"] == "input-guided"  # no entry: the decoding's name
     assert rows["input-guided@bs1"]["path"] == "ver.pt"
     assert rows["blockwise@bs1"]["path"] == "bw.pt"
-    assert rows["blockwise@bs1"]["label"] == DECODINGS["blockwise"].label
+    assert rows["blockwise@bs1"]["label"] == "blockwise heads"
 
 
 # ---------------------------------------------------------------- results matched by name
@@ -288,12 +295,14 @@ def test_two_labelled_drafters_run_and_plot_end_to_end(toy_bin, ar_checkpoint, n
 
 
 PLUGIN = '''
-"""A throwaway plugin: registers one more decoding and nothing else."""
+"""A throwaway plugin: registers one more decoding, and how the benchmark labels it."""
 import fairseq_specdec  # noqa: F401
+from fairseq_specdec.bench.specs import BenchEntry, register_bench_entry
 from fairseq_specdec.generation.registry import DECODINGS, Decoding, register_decoding
 
 register_decoding(Decoding(name="copy-twice", help="input-guided under another name",
-                           build=DECODINGS["input-guided"].build, relaxed=False, bench_label="copy twice"))
+                           build=DECODINGS["input-guided"].build, relaxed=False))
+register_bench_entry("copy-twice", BenchEntry(label="copy twice"))
 '''
 
 

@@ -407,7 +407,7 @@ def test_errors_doc_lists_every_option_refused_under_autoregressive():
     section = text.split("## Options of speculative decoding under `--decoding autoregressive`", 1)[1]
     section = section.split("\n## ", 1)[0]
     listed = set(re.findall(r"`(--[a-z-]+)`", section)) - {"--path"}
-    assert listed == {"--" + name.replace("_", "-") for name, _ in DraftVerifyTask.SPECULATIVE_OPTIONS}
+    assert listed == {"--" + name.replace("_", "-") for name in DraftVerifyTask.SPECULATIVE_OPTIONS}
 
 
 def test_vsd_drafter_computes_as_the_backend_says(toy_bin, untrained_verifier, untrained_vsd):

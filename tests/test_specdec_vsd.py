@@ -209,7 +209,7 @@ def test_native_pass_computes_the_models_block_states(monkeypatch):
     of rowgemm.block_input, each block layer in one call) gives the block
     states of the model's own operations within float rounding, at positions
     past the table's last row too (they take its last row), in a padded batch."""
-    from fairseq_specdec.generation.vsd_native import NativeBlockPass, native_block_pass_reason
+    from fairseq_specdec.generation.drafters.vsd_native import NativeBlockPass, native_block_pass_reason
 
     model, encoder_out = _random_vsd_model()
     assert native_block_pass_reason(model) is None
@@ -236,7 +236,7 @@ def test_bfloat16_drafting_pass_reads_the_weights_rounded_to_bfloat16():
     memory's projection, the tables) are unchanged."""
     import copy
 
-    from fairseq_specdec.generation.vsd_native import NativeBlockPass
+    from fairseq_specdec.generation.drafters.vsd_native import NativeBlockPass
 
     model, encoder_out = _random_vsd_model()
     rounded = copy.deepcopy(model)

@@ -202,6 +202,7 @@ def translator_row(args, row: Dict, ct2_dir: str):
 def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional[str]) -> int:
     """Load every row (the --row rows, then the CTranslate2 rows), time them
     in turn for ``args.rounds`` rounds, print the table."""
+    from ..generation import SpeculativeGenerator
     from .timing import reset_statistics
 
     if extra_rows:
@@ -253,7 +254,7 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
         for row, decode, generator, data in loaded:
             name = row["name"]
             times[name].append(seconds[name] / max(1, sentences[name]) * 1e3)
-            stats = getattr(generator, "stats", None)
+            stats = generator.stats if isinstance(generator, SpeculativeGenerator) else None
             tok[name] = stats.mean_accepted if stats is not None and stats.iterations else None
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 

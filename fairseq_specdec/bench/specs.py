@@ -13,9 +13,11 @@ SequenceGenerator on the verifier), ``strict`` and ``relaxed`` (decoding
 ``ct2`` and ``ct2-int8`` (the verifier converted to CTranslate2, greedy;
 only when the ``ctranslate2`` package is installed, see
 :mod:`fairseq_specdec.bench.ct2`), and every decoding in the registry (:mod:`fairseq_specdec.generation.registry`),
-read when the rows are built.  A decoding's ``bench_model`` says which
-checkpoint its rows decode with: the verifier, the verifier then each
-drafter (one row per drafter), or the ``--blockwise`` checkpoint.
+read when the rows are built.  A decoding's :class:`BenchEntry` (the
+benchmark's own table, :data:`BENCH_ENTRIES`; the registry of decodings
+carries nothing of the benchmark's) says which checkpoint its rows decode
+with (the verifier, the verifier then each drafter, one row per drafter, or
+the ``--blockwise`` checkpoint), their label and any further options.
 ``KIND:LABEL+LABEL`` gives a kind's rows for those ``--drafter`` labels only
 (``ngram+draft-verify:vsd``: the combined decoding with the specdec_vsd
 drafter, not with a chain-only Spec-Drafter).
@@ -35,6 +37,53 @@ OPTIONAL_ROWS = tuple(ct2.COMPUTE_TYPES)
 #: where a decoding's rows take their --path from
 BENCH_MODELS = ("verifier", "verifier+drafter", "blockwise")
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+@dataclass(frozen=True)
+class BenchEntry:
+    """How the benchmark runs a decoding's rows: ``model``, where their
+    ``--path`` comes from (one of :data:`BENCH_MODELS`); ``label``, the
+    table's decoder column (None: the decoding's name); ``extra``, more
+    fairseq-generate options."""
+
+    model: str = "verifier"
+    label: Optional[str] = None
+    extra: Tuple[str, ...] = ()
+
+
+#: the built-in decodings' entries; another decoding runs on the verifier
+#: (then each drafter, where it takes one), labelled by its name, unless it
+#: registers its own (:func:`register_bench_entry`)
+BENCH_ENTRIES: Dict[str, BenchEntry] = {
+    "draft-verify": BenchEntry("verifier+drafter", "draft-verify"),
+    "blockwise": BenchEntry("blockwise", "blockwise heads"),
+    "ngram": BenchEntry(label="n-gram corpus"),
+    "ngram+draft-verify": BenchEntry("verifier+drafter", "n-gram + specdec_vsd tree"),
+    "self-draft": BenchEntry(label="int8 self-draft"),
+    "loop-greedy": BenchEntry(label="greedy in the speculative loop"),
+}
+
+
+def register_bench_entry(name: str, entry: BenchEntry, replace: bool = False) -> None:
+    """How the benchmark runs decoding ``name`` (a plugin's decoding that
+    needs other than the default)."""
+    if entry.model not in BENCH_MODELS:
+        raise ValueError(f"decoding {name!r}: bench model {entry.model!r} is none of {', '.join(BENCH_MODELS)}")
+    if name in BENCH_ENTRIES and not replace:
+        raise ValueError(f"decoding {name!r} has a benchmark entry already")
+    BENCH_ENTRIES[name] = entry
+
+
+def bench_entry(decoding) -> BenchEntry:
+    """The entry of a registered decoding: its own, or the default for it."""
+    entry = BENCH_ENTRIES.get(decoding.name)
+    if entry is None:
+        entry = BenchEntry("verifier+drafter" if decoding.takes_drafter else "verifier")
+    return entry
+
+
+def bench_label(decoding) -> str:
+    return bench_entry(decoding).label or decoding.name
 
 
 def fmt_number(x: float) -> str:
@@ -194,12 +243,7 @@ def split_kind(kind: str) -> Tuple[str, Optional[Tuple[str, ...]]]:
 
 
 def _bench_model(decodings: Mapping, kind: str) -> Optional[str]:
-    if kind not in decodings:
-        return None
-    model = decodings[kind].bench_model
-    if model not in BENCH_MODELS:
-        raise ValueError(f"decoding {kind!r}: bench_model {model!r} is none of {', '.join(BENCH_MODELS)}")
-    return model
+    return bench_entry(decodings[kind]).model if kind in decodings else None
 
 
 class RowSpecs:
@@ -243,7 +287,7 @@ class RowSpecs:
                  "--verify-score", self.verify_score]
         extra += ["--block-size", str(k)] if k else self.k_args
         if DRAFT_VERIFY in self.decodings:
-            extra += list(self.decodings[DRAFT_VERIFY].bench_extra)
+            extra += list(bench_entry(self.decodings[DRAFT_VERIFY]).extra)
         extra += list(drafter.options)
         name, at, where = name.partition("@")
         return self._spec(f"{name}{drafter.suffix}{at}{where}", drafter.describe(label), DRAFT_VERIFY,
@@ -252,14 +296,15 @@ class RowSpecs:
     def registered(self, kind: str, bs: int) -> List[Dict]:
         """The rows of registered decoding ``kind`` at batch size ``bs`` (one per drafter if it takes one)."""
         decoding = self.decodings[kind]
-        extra = ["--decoding", decoding.name] + list(decoding.bench_extra)
-        model = _bench_model(self.decodings, kind)
-        if model == "verifier+drafter":
-            return [self._spec(f"{decoding.name}{d.suffix}@bs{bs}", d.describe(decoding.label), decoding.name,
+        entry = bench_entry(decoding)
+        extra = ["--decoding", decoding.name] + list(entry.extra)
+        label = entry.label or decoding.name
+        if entry.model == "verifier+drafter":
+            return [self._spec(f"{decoding.name}{d.suffix}@bs{bs}", d.describe(label), decoding.name,
                                f"{self.verifier}:{d.path}", bs, extra=extra + list(d.options), drafter=d)
                     for d in self.drafters]
-        path = self.blockwise if model == "blockwise" else self.verifier
-        return [self._spec(f"{decoding.name}@bs{bs}", decoding.label, decoding.name, path, bs, extra=extra)]
+        path = self.blockwise if entry.model == "blockwise" else self.verifier
+        return [self._spec(f"{decoding.name}@bs{bs}", label, decoding.name, path, bs, extra=extra)]
 
     def main_rows(self, wanted: Sequence[str], batch_sizes: Sequence[int], relaxed_batch_sizes: Sequence[int],
                   grid: Sequence[Tuple[str, str]]) -> List[Dict]:

@@ -46,9 +46,9 @@ def timed_batches(batches, decode: Callable[[Dict], list], device: str = "cpu") 
 
 def reset_statistics(generator) -> None:
     """A fresh statistics object, so that the warm-up is not counted."""
-    if hasattr(generator, "stats"):
-        from fairseq_specdec.generation import SpecDecStats
+    from fairseq_specdec.generation import SpecDecStats, SpeculativeGenerator
 
+    if isinstance(generator, SpeculativeGenerator):
         generator.stats = SpecDecStats(name=generator.stats.name)
 
 
@@ -82,9 +82,10 @@ def run_worker(spec: Dict) -> Dict:
         import torch
 
         result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    stats = getattr(generator, "stats", None)
-    if stats is not None:
-        # the timed pass only (the warm-up had its own statistics object)
+    from fairseq_specdec.generation import SpeculativeGenerator
+
+    if isinstance(generator, SpeculativeGenerator):
+        stats = generator.stats  # the timed pass only (the warm-up had its own statistics object)
         result.update(tok=stats.mean_accepted, iterations=stats.iterations, out_tokens=stats.tokens,
                       histogram={str(n): c for n, c in sorted(stats.histogram.items())}, summary=stats.summary())
     else:

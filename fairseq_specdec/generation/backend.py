@@ -40,7 +40,7 @@ import torch
 
 from ..kernels import OFF_ENV, applies_to, parts_off, rowgemm, unavailable_reason
 from .accept_step import AcceptanceStep, FairseqRules, NativeStep, TensorStep, native_step_unavailable
-from .drafters import NO_KERNELS, Drafter, DraftKernels
+from .drafters import NO_KERNELS, Drafter, DraftKernels, StaticDrafter
 from .iteration import EagerRunner
 from .iteration_graphs import IterationGraphs
 from .lean_verifier import LeanVerifier, lean_unsupported_reason
@@ -93,9 +93,10 @@ class Backend:
         """``(eager, whole)``: the runner of every iteration, and the runner
         of a batch of one sentence's iterations on fixed buffers, or None
         (no such choice, draft trees, or a drafter that cannot work on fixed
-        buffers: ``Drafter.static_inputs``)."""
+        buffers: ``StaticDrafter.static_inputs``)."""
         whole = None
-        if self.iteration in ("static", "iteration") and not trees and drafter.static_inputs():
+        if self.iteration in ("static", "iteration") and not trees and isinstance(drafter, StaticDrafter) \
+                and drafter.static_inputs():
             whole = IterationGraphs(self.verifier, drafter, graphs=self.iteration == "iteration")
         return EagerRunner(), whole
 

@@ -5,6 +5,7 @@ message naming it.
 """
 import logging
 import os
+from typing import Dict
 
 from fairseq import checkpoint_utils
 
@@ -13,11 +14,12 @@ from .acceptance import StrictAcceptance, build_acceptance
 from .backend import resolve_backend
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .combined import CombinedDrafter
-from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, drafter_for_model
+from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, TreeDrafter, drafter_for_model
 from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
 from .self_draft import SelfDrafter
 from .registry import DECODINGS, DEFAULT_MIN_CONFIDENCE, BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .draft_policy import AllRows, DraftLengthPolicy, FixedRows, MeasuredRows, RowsRule
+from .services import GenerationServices
 from .speculative import DecodeSettings, SpeculativeGenerator
 from .stats import SpecDecStats
 
@@ -64,18 +66,17 @@ def check_generation_options(args) -> None:
             raise ValueError(f"speculative decoding does not support {_option_name(name)} (got {value!r})")
 
 
-def load_drafter(task, path: str, like):
+def load_drafter(task, path: str, like, cache: Dict[tuple, object]):
     """Load a drafter checkpoint (specdec_nat or specdec_vsd) with the task's dictionaries; placed on the
     device and in the dtype of ``like`` (the verifier).  The model is loaded
-    once per task and file (the hub interface builds a generator at every
-    ``translate()``); a file changed on disk is loaded again."""
+    once per file into ``cache`` (the task's
+    :attr:`~fairseq_specdec.generation.services.GenerationServices.drafters`:
+    the hub interface builds a generator at every ``translate()``); a file
+    changed on disk is loaded again."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--drafter-path {path}: no such file")
     real, stat = os.path.realpath(path), os.stat(path)
     key = (real, stat.st_mtime_ns, stat.st_size)
-    cache = getattr(task, "_specdec_drafters", None)
-    if cache is None:
-        cache = task._specdec_drafters = {}
     drafter = cache.get(key)
     if drafter is None:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
@@ -126,7 +127,7 @@ def _model_drafter(ctx: DrafterContext):
     if drafters:
         model, source = drafters[0], "the second model in --path"
     elif cfg.drafter_path:
-        model, source = load_drafter(task, cfg.drafter_path, verifier), f"--drafter-path {cfg.drafter_path}"
+        model, source = load_drafter(task, cfg.drafter_path, verifier, ctx.services.drafters), f"--drafter-path {cfg.drafter_path}"
     else:
         raise ValueError(
             f"--decoding {cfg.decoding} needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
@@ -186,7 +187,7 @@ def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
 def _corpus_drafter(ctx: DrafterContext) -> NgramDrafter:
     cfg, tgt = ctx.cfg, ctx.task.target_dictionary
     check_ngram_options(cfg.ngram_order, cfg.ngram_neighbours, cfg.ngram_min_confidence)
-    corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order)
+    corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order, ctx.services.ngram_corpora)
     return NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
 
 
@@ -196,7 +197,7 @@ COMBINED_TREE_NODES = 5
 
 def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:
     model_drafter, model_k, source = _model_drafter(ctx)
-    if not model_drafter.drafts_trees:
+    if not isinstance(model_drafter, TreeDrafter):
         raise ValueError(f"--decoding ngram+draft-verify combines draft trees, and the drafter ({source}: "
                          f"{model_drafter.describe()}) drafts chains only: give a specdec_vsd drafter")
     ngram = _corpus_drafter(ctx)
@@ -245,7 +246,7 @@ BUILTIN_DECODINGS = (
         "draft-verify",
         "drafts with a drafter checkpoint (--drafter-path, or --path verifier.pt:drafter.pt): the "
         "paper's specdec_nat Spec-Drafter, or a specdec_vsd drafter that reads the verifier's states",
-        _nat_drafter, takes_drafter=True, bench_model="verifier+drafter", bench_label="draft-verify",
+        _nat_drafter, takes_drafter=True,
     ),
     Decoding(
         "input-guided",
@@ -255,34 +256,33 @@ BUILTIN_DECODINGS = (
     Decoding(
         "blockwise",
         "drafts with the extra heads of a blockwise_transformer verifier (blockwise parallel decoding)",
-        _blockwise_drafter, relaxed=False, bench_model="blockwise", bench_label="blockwise heads",
+        _blockwise_drafter, relaxed=False,
     ),
     Decoding(
         "ngram",
         "drafts the continuation of the output's last tokens most frequent in a corpus's targets "
         "(--ngram-split, e.g. the verifier's own distillation), preferring the sentences whose "
         "source is most like this one (retrieval: no drafter model)",
-        _ngram_drafter, relaxed=False, bench_label="n-gram corpus",
+        _ngram_drafter, relaxed=False,
     ),
     Decoding(
         "ngram+draft-verify",
         "draft trees from a corpus (as ngram) and, for the rows where the corpus is unsure, from a "
         "specdec_vsd drafter checkpoint (--drafter-path), merged in one tree (--draft-tree, default "
         f"{COMBINED_TREE_NODES} nodes)",
-        _combined_drafter, takes_drafter=True, relaxed=False, bench_model="verifier+drafter",
-        bench_label="n-gram + specdec_vsd tree",
+        _combined_drafter, takes_drafter=True, relaxed=False,
     ),
     Decoding(
         "self-draft",
         "drafts with an int8 copy of the verifier itself, made when the model is loaded (CPU; "
         "nothing to train, no extra file); the float32 verifier checks every draft",
-        _self_drafter, bench_label="int8 self-draft",
+        _self_drafter,
     ),
     Decoding(
         "loop-greedy",
         "no drafter: greedy decoding through the speculative loop, one verifier token per "
         "iteration (separates the loop's own speed from speculation's)",
-        _no_draft, relaxed=False, bench_label="greedy in the speculative loop",
+        _no_draft, relaxed=False,
     ),
 )
 
@@ -311,9 +311,7 @@ def draft_rows_rule(value, verifier, acceptance) -> RowsRule:
         if next(verifier.parameters()).device.type != "cpu":
             return AllRows()
         return MeasuredRows() if isinstance(acceptance, StrictAcceptance) else FixedRows(DRAFT_MAX_ROWS_CPU)
-    if value < 0:
-        raise ValueError(f"--draft-max-rows must be >= 0 (0 = no limit), got {value}")
-    return FixedRows(value) if value else AllRows()
+    return FixedRows(value) if value else AllRows()  # FixedRows refuses a negative N
 
 
 def check_strictness(decoding: Decoding, acceptance) -> None:
@@ -330,22 +328,20 @@ def check_strictness(decoding: Decoding, acceptance) -> None:
     )
 
 
-def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
+def build_speculative_generator(task, models, args, services: GenerationServices) -> SpeculativeGenerator:
     """The generator of ``--decoding`` (a registered decoding), every option
-    checked here, once."""
+    checked here, once; ``services``: what the task keeps for its generators
+    (generation writes nothing to the task itself)."""
     decoding = get_decoding(task.cfg.decoding)
     check_generation_options(args)
     cfg = task.cfg
     verifier, drafters = _split_models(task, models)
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
     check_strictness(decoding, acceptance)
-    temperature, unk_penalty = getattr(args, "temperature", 1.0), getattr(args, "unkpen", 0)
-    backend = resolve_backend(str(getattr(cfg, "specdec_backend", "auto")), verifier, acceptance, temperature,
-                              unk_penalty)
-    built = decoding.build(DrafterContext(task, verifier, drafters, acceptance, backend))
-    if built.block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {built.block_size}")
-    most = built.drafter.max_block
+    temperature, unk_penalty = args.temperature, args.unkpen
+    backend = resolve_backend(str(cfg.specdec_backend), verifier, acceptance, temperature, unk_penalty)
+    built = decoding.build(DrafterContext(task, verifier, drafters, acceptance, backend, services))
+    most = built.drafter.max_block  # (DraftLengthPolicy, below, refuses a k below 1)
     if most is not None and built.block_size > most:
         raise ValueError(
             f"--block-size {built.block_size}: the drafter ({built.description}) drafts at most "
@@ -353,11 +349,11 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
         )
     settings = DecodeSettings(
         block_size=built.block_size,
-        max_len_a=getattr(args, "max_len_a", 0),
-        max_len_b=getattr(args, "max_len_b", 200),
-        min_len=getattr(args, "min_len", 1),
-        normalize_scores=not getattr(args, "unnormalized", False),
-        len_penalty=getattr(args, "lenpen", 1),
+        max_len_a=args.max_len_a,
+        max_len_b=args.max_len_b,
+        min_len=args.min_len,
+        normalize_scores=not args.unnormalized,
+        len_penalty=args.lenpen,
         unk_penalty=unk_penalty,
         temperature=temperature,
         draft_policy=DraftLengthPolicy(
@@ -366,14 +362,14 @@ def build_speculative_generator(task, models, args) -> SpeculativeGenerator:
             min_confidence=min_confidence(cfg, built.min_confidence),
             rows=draft_rows_rule(cfg.draft_max_rows, verifier, acceptance),
         ),
-        tree_nodes=built.tree_nodes if getattr(cfg, "draft_tree", None) is None else cfg.draft_tree,
+        tree_nodes=built.tree_nodes if cfg.draft_tree is None else cfg.draft_tree,
     )
     generator = SpeculativeGenerator(backend, built.drafter, acceptance, task.target_dictionary, settings, None,
-                                     task.sentence_counter)
+                                     services.sentences)
     # the statistics file is opened (and an old one truncated) only now that
     # every option has been checked: a refused run leaves it as it was
     generator.stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding,
-                                   append=task.stats_file_started(cfg.specdec_stats))
+                                   append=services.stats_file_started(cfg.specdec_stats))
     tree = f", draft trees of {settings.tree_nodes} nodes" if settings.tree_nodes else ""
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}{tree}, acceptance {acceptance!r}, "

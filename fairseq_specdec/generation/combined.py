@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .drafters import Drafter
+from .drafters import Drafter, PathDrafter, TreeDrafter
 from .state import Feedback
 from .tree import tree_from_paths, tree_paths
 
@@ -30,21 +30,20 @@ from .tree import tree_from_paths, tree_paths
 COMBINED_ENOUGH = 1.0
 
 
-class CombinedDrafter(Drafter):
-    """``first``: a drafter with ``tree_paths(state, k, nodes)`` (per row,
-    ``(tokens, confidence)`` paths); ``second``: a tree drafter
-    (``drafts_trees``) whose tree's log-probs rank its paths, drafting at
-    most ``second_k`` deep; ``pad``: the dictionary's pad.  Drafts trees
-    only."""
+class CombinedDrafter(Drafter, TreeDrafter):
+    """``first``: a :class:`~fairseq_specdec.generation.drafters.PathDrafter`
+    (per row, ``(tokens, confidence)`` paths); ``second``: a
+    :class:`~fairseq_specdec.generation.drafters.TreeDrafter` whose tree's
+    log-probs rank its paths, drafting at most ``second_k`` deep; ``pad``:
+    the dictionary's pad.  Drafts trees only."""
 
-    drafts_trees = True
     trees_only = True
 
     def __init__(self, first: Drafter, second: Drafter, pad: int, enough: float = COMBINED_ENOUGH,
                  second_k: Optional[int] = None):
-        if not hasattr(first, "tree_paths"):
+        if not isinstance(first, PathDrafter):
             raise ValueError(f"{first.describe()} gives no candidate paths to combine")
-        if not second.drafts_trees:
+        if not isinstance(second, TreeDrafter):
             raise ValueError(f"{second.describe()} drafts chains only: it cannot add candidates to a tree")
         self.first, self.second = first, second
         #: the deepest the second drafter drafts (its own default k; None: as deep as the tree)

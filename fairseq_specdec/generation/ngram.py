@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .drafters import Drafter, padded_drafts, row_tails
+from .drafters import Drafter, PathDrafter, TreeDrafter, padded_drafts, row_tails
 from .tree import tree_from_paths
 from .ngram_index import (
     CONF_BITS, CONF_MAX, SplitSource, build_tables, context_keys_at as _context_keys, most_frequent as _most_frequent,
@@ -206,7 +206,7 @@ def context_keys(context: Sequence[int], order: int) -> List[int]:
     return keys
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(Drafter, PathDrafter, TreeDrafter):
     """Drafts from an :class:`NgramCorpus` (see the module docstring).  Before
     a row's first draft it retrieves the row's neighbours and makes their
     table; per iteration it reads the rows' last ``order`` tokens from the
@@ -266,7 +266,6 @@ class NgramDrafter(Drafter):
         return padded_drafts(drafts, self.pad, state.tokens), None
 
     # -- draft trees ---------------------------------------------------------
-    drafts_trees = True
 
     def _continuations(self, table: Dict[int, int], keys: List[int]):
         """The table entries the tables hold for a context (its
@@ -365,12 +364,13 @@ def check_not_translated(task, split: str) -> None:
     )
 
 
-def load_ngram_corpus(task, split: str, order: int) -> NgramCorpus:
+def load_ngram_corpus(task, split: str, order: int, cache: Optional[Dict[tuple, NgramCorpus]] = None) -> NgramCorpus:
     """The :class:`NgramCorpus` of the task's binarized ``split`` (source and
-    target, the task's dictionaries), once per task, split and order: the
-    split's saved index memory-mapped, built and saved first where there is
-    none (:func:`.ngram_index.open_index`)."""
-    cache = task.__dict__.setdefault("_specdec_ngram_corpora", {})
+    target, the task's dictionaries), once per split and order in ``cache``
+    (the task's :attr:`~fairseq_specdec.generation.services.GenerationServices.ngram_corpora`;
+    None: not kept): the split's saved index memory-mapped, built and saved
+    first where there is none (:func:`.ngram_index.open_index`)."""
+    cache = {} if cache is None else cache
     key = (split, order)
     if key in cache:
         return cache[key]

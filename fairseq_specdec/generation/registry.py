@@ -16,8 +16,8 @@ lists decodings reads this registry: the ``draft_verify`` task's
 ``build`` receives a :class:`DrafterContext` and raises ``ValueError`` naming
 the option at fault when the models or options do not fit.
 """
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List
 
 #: fairseq's own SequenceGenerator: not a speculative decoding, never in the registry
 AUTOREGRESSIVE = "autoregressive"
@@ -32,13 +32,17 @@ class DrafterContext:
     acceptance rule (``acceptance.uses_draft_scores`` says whether drafts
     need log-probs); ``backend``: what computes the iteration
     (:class:`~fairseq_specdec.generation.backend.Backend`;
-    ``backend.drafting`` says what a drafter may compute natively)."""
+    ``backend.drafting`` says what a drafter may compute natively);
+    ``services``: the task's
+    :class:`~fairseq_specdec.generation.services.GenerationServices` (where
+    loaded drafters and corpora are kept)."""
 
     task: object
     verifier: object
     drafters: List[object]
     acceptance: object
     backend: object = None
+    services: object = None
 
     @property
     def cfg(self):
@@ -68,26 +72,16 @@ class BuiltDrafter:
 class Decoding:
     """One ``--decoding`` choice.
 
-    ``bench_model``: which checkpoint the benchmark passes in ``--path`` for
-    this decoding's rows: ``"verifier"`` (the verifier alone),
-    ``"verifier+drafter"`` (verifier, then the ``--drafter`` checkpoint) or
-    ``"blockwise"`` (the ``--blockwise`` checkpoint, a verifier with heads).
-    ``bench_rows``: the benchmark row kinds this decoding runs as (the row
-    kind ``relaxed`` adds its beta/tau grid).  ``takes_drafter``: whether
-    ``--drafter-path`` / a second model in ``--path`` is meaningful."""
+    ``takes_drafter``: whether ``--drafter-path`` / a second model in
+    ``--path`` is meaningful; ``relaxed``: whether relaxed verification
+    (``--verify-beta`` > 1) applies.  How the benchmark runs it is the
+    benchmark's own table (:mod:`fairseq_specdec.bench.specs`)."""
 
     name: str
     help: str
     build: Callable[[DrafterContext], BuiltDrafter]
     takes_drafter: bool = False
     relaxed: bool = True
-    bench_model: str = "verifier"
-    bench_label: Optional[str] = None
-    bench_extra: List[str] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        return self.bench_label or self.name
 
 
 DECODINGS: Dict[str, Decoding] = {}
@@ -98,8 +92,6 @@ def register_decoding(decoding: Decoding, replace: bool = False) -> Decoding:
         raise ValueError(f"'{AUTOREGRESSIVE}' is fairseq's own decoding and cannot be registered")
     if decoding.name in DECODINGS and not replace:
         raise ValueError(f"decoding '{decoding.name}' is registered already")
-    if decoding.bench_model not in ("verifier", "verifier+drafter", "blockwise"):
-        raise ValueError(f"decoding '{decoding.name}': unknown bench_model {decoding.bench_model!r}")
     DECODINGS[decoding.name] = decoding
     return decoding
 

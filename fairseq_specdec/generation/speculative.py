@@ -44,7 +44,7 @@ from ..utils.projection import inference_scope
 from .accept_step import FairseqRules
 from .backend import Backend
 from .draft_policy import DraftLengthPolicy
-from .drafters import Drafter
+from .drafters import Drafter, TreeDrafter
 from .iteration import Iteration
 from .stats import SpecDecStats
 from .state import DecodingState, Feedback
@@ -131,10 +131,10 @@ class SpeculativeGenerator:
         self.tree_nodes = settings.tree_nodes
         if self.tree_nodes < 0:
             raise ValueError(f"--draft-tree must be >= 0 (0 = chains), got {self.tree_nodes}")
-        if self.tree_nodes and not drafter.drafts_trees:
+        if self.tree_nodes and not isinstance(drafter, TreeDrafter):
             raise ValueError(f"--draft-tree {self.tree_nodes}: the drafter ({drafter.describe()}) drafts chains only; "
                              "drop --draft-tree")
-        if not self.tree_nodes and drafter.trees_only:
+        if not self.tree_nodes and isinstance(drafter, TreeDrafter) and drafter.trees_only:
             raise ValueError(f"the drafter ({drafter.describe()}) drafts trees only: give --draft-tree N (N > 0)")
         if self.tree_nodes and self.policy.adaptive:
             raise ValueError("--draft-tree shapes each draft by the drafter's confidence: drop --adaptive-draft")

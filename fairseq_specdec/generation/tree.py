@@ -233,9 +233,20 @@ class ChainTree(DraftTree):
     causal mask (``forward`` with no ``tree``), the acceptance step slices
     instead of gathers.  A pad stops a chain: nothing after it is drafted.
     Its derived views are made on the device from ``arange`` (no host read:
-    a chain is what a captured iteration drafts)."""
+    a chain is what a captured iteration drafts); so are its parents, made
+    only where something asks for them (no chain form does)."""
 
     chain = True
+
+    def __init__(self, tokens: Tensor, lprobs: Optional[Tensor] = None):
+        self.tokens, self.lprobs, self._cache = tokens, lprobs, {}
+
+    @property
+    def parents(self) -> Tensor:
+        if "parents" not in self._cache:
+            bsz, k = self.tokens.shape
+            self._cache["parents"] = torch.arange(-1, k, device=self.tokens.device).unsqueeze(0).expand(bsz, -1)
+        return self._cache["parents"]
 
     def _derive(self) -> None:
         bsz, m = self.parents.shape
@@ -275,9 +286,7 @@ class ChainTree(DraftTree):
 
 def chain_tree(tokens: Tensor, lprobs: Optional[Tensor] = None) -> ChainTree:
     """B x k drafts as a chain (slot i's parent: slot i - 1)."""
-    bsz, k = tokens.shape
-    parents = torch.arange(-1, k, device=tokens.device).unsqueeze(0).expand(bsz, -1)
-    return ChainTree(tokens, parents, lprobs)
+    return ChainTree(tokens, lprobs)
 
 
 @lru_cache(maxsize=64)

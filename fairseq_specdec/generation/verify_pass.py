@@ -13,6 +13,7 @@ Both take their inputs from :meth:`VerifyPass._embed` and end in
 output projection, the temperature and the log-softmax are one code.
 """
 import math
+from abc import ABC, abstractmethod
 from typing import Dict, List, Optional
 
 import torch
@@ -56,7 +57,7 @@ def position_table(decoder, device=None) -> Optional[Tensor]:
         return embed(dummy)[0]
 
 
-class VerifyPass:
+class VerifyPass(ABC):
     """The verify pass's interface and shared steps.
 
     The loop calls, per batch: :meth:`encode` and :meth:`start`; per
@@ -189,6 +190,7 @@ class VerifyPass:
         return self.model.get_normalized_probs((logits, None), log_probs=True)
 
     # -- the interface each implementation provides --------------------------
+    @abstractmethod
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None, tree=None) -> Tensor:
         """Log-probs (B x m x V, float) after each of the ``m`` new tokens.
 
@@ -205,8 +207,8 @@ class VerifyPass:
         (``tree.ancestors``), so its log-probs are those of the verifier
         decoding its root path alone.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def rollback(self, state, keep: Tensor, keep_host: List[int], path: Optional[Tensor] = None) -> None:
         """Keep ``keep[r]`` of the entries the last :meth:`forward` appended
         for row r (the inputs that are now accepted, newest excluded): the
@@ -216,9 +218,8 @@ class VerifyPass:
         them.  Called before ``state.commit`` of the same tokens, so that
         afterwards the cache invariant holds for the committed state: the
         cache holds the accepted path's entries and no other branch's."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
         """Keep only the rows in ``new_order`` (``state`` already holds the
         kept rows: lengths and encoder output)."""
-        raise NotImplementedError

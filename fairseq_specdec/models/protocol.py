@@ -93,7 +93,7 @@ class SourceReadingDrafterModel(DrafterModel):
 class VerifierStateDrafterModel(DrafterModel):
     """A drafter that reads its verifier's states (``specdec_vsd``); the
     generation layer's drafter computes its pass natively where the backend
-    allows (``fairseq_specdec.generation.vsd_native``)."""
+    allows (``fairseq_specdec.generation.drafters.vsd_native``)."""
 
     drafter_name = "specdec_vsd"
     #: its dataclass config (``shortlist``, ``cuts_per_sentence``)

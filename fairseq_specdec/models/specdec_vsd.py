@@ -293,7 +293,7 @@ class SpecDecVSDModel(BaseFairseqModel, VerifierStateDrafterModel):
         tokens so far; ``slot_tokens`` (N x k): the mask index, or a revealed
         gold token (glancing); None: every slot is masked (decoding).  The
         generation layer's native pass computes the same function with the
-        plugin's kernels on a CPU (``fairseq_specdec.generation.vsd_native``)."""
+        plugin's kernels on a CPU (``fairseq_specdec.generation.drafters.vsd_native``)."""
         base = memory.get("copy_base") if slot_tokens is None else None
         x = F.dropout(self._input_rows(memory, ctx_states, ctx_tokens, cuts, slot_tokens, k, base),
                       self.cfg.dropout, self.training)

@@ -11,7 +11,7 @@
 """
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum
@@ -23,9 +23,9 @@ from ..generation.backend import BACKENDS
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
 from ..generation.registry import AUTOREGRESSIVE, DEFAULT_MIN_CONFIDENCE, decoding_help, get_decoding
-from ..generation.stats import SentenceCounter
+from ..generation.services import GenerationServices
 from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
-from ..models.protocol import BlockwiseHeadsModel, DrafterModel, VerifierStateDrafterModel
+from ..models.protocol import BlockwiseHeadsModel, DrafterModel, SourceReadingDrafterModel, VerifierStateDrafterModel
 from ..models.specdec_vsd import make_state_block_inputs
 from .block_inputs import make_block_inputs, sentence_draws
 
@@ -211,26 +211,16 @@ class DraftVerifyTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         # ids of datasets the trainer loaded as its training split
         self._training_datasets = set()
+        #: the --init-from-verifier model, once loaded (frozen_verifier())
+        self._frozen_verifier = None
         get_decoding(cfg.decoding) if cfg.decoding != AUTOREGRESSIVE else None  # a clear error now
-        # sentences the non-training batch iterators handed out, and decoded
-        self.sentence_counter = SentenceCounter()
-        # --specdec-stats files this task's generators already wrote to
-        self._stats_files = set()
-
-    def stats_file_started(self, path: Optional[str]) -> bool:
-        """Whether an earlier generator of this task already started the
-        ``--specdec-stats`` file ``path`` (a later one appends: every
-        ``translate()`` of the Python API builds one); records it as started."""
-        if not path:
-            return False
-        key = os.path.realpath(path)
-        started = key in self._stats_files
-        self._stats_files.add(key)
-        return started
+        #: what this task's generators share (loaded drafters, n-gram corpora,
+        #: the sentence count, started statistics files), handed to each build
+        self.generation_services = GenerationServices()
 
     @property
     def expected_sentences(self) -> int:
-        return self.sentence_counter.expected
+        return self.generation_services.sentences.expected
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
@@ -250,7 +240,7 @@ class DraftVerifyTask(TranslationTask):
                     model, self.cfg.init_from_verifier, self.src_dict, self.tgt_dict
                 )
             if self.cfg.freeze_encoder and not from_checkpoint:
-                if not hasattr(model, "freeze_encoder"):
+                if not isinstance(model, SourceReadingDrafterModel):
                     raise ValueError(f"--freeze-encoder does not apply to {type(model).__name__} (it has no encoder)")
                 model.freeze_encoder()
         elif isinstance(model, BlockwiseHeadsModel):
@@ -283,31 +273,20 @@ class DraftVerifyTask(TranslationTask):
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
-        return build_speculative_generator(self, models, args)
+        return build_speculative_generator(self, models, args, self.generation_services)
 
-    #: (option, default) pairs that only speculative decodings read
+    #: the options that only speculative decodings read (their defaults: DraftVerifyConfig's)
     SPECULATIVE_OPTIONS = (
-        ("drafter_path", None),
-        ("verify_beta", 1),
-        ("verify_tau", 0.0),
-        ("verify_score", "verifier"),
-        ("adaptive_draft", False),
-        ("draft_min_confidence", None),
-        ("draft_max_rows", None),
-        ("draft_tree", None),
-        ("block_size", None),
-        ("specdec_backend", "auto"),
-        ("specdec_stats", None),
-        ("ngram_split", "train"),
-        ("ngram_order", 4),
-        ("ngram_neighbours", 20),
-        ("ngram_min_confidence", NGRAM_MIN_CONFIDENCE),
+        "drafter_path", "verify_beta", "verify_tau", "verify_score", "adaptive_draft", "draft_min_confidence",
+        "draft_max_rows", "draft_tree", "block_size", "specdec_backend", "specdec_stats", "ngram_split",
+        "ngram_order", "ngram_neighbours", "ngram_min_confidence",
     )
 
     def check_no_speculative_options(self) -> None:
         """Refuse options that fairseq's own decoding would silently ignore."""
-        for name, default in self.SPECULATIVE_OPTIONS:
-            value = getattr(self.cfg, name, default)
+        defaults = {f.name: f.default for f in fields(DraftVerifyConfig)}
+        for name in self.SPECULATIVE_OPTIONS:
+            value, default = getattr(self.cfg, name), defaults[name]
             if value != default:
                 option = "--" + name.replace("_", "-")
                 raise ValueError(
@@ -331,7 +310,7 @@ class DraftVerifyTask(TranslationTask):
         """The ``--init-from-verifier`` model, loaded once, in eval mode and
         without gradients: the teacher-forced states a ``specdec_vsd``
         drafter trains on.  It is not part of the drafter (not saved with it)."""
-        if getattr(self, "_frozen_verifier", None) is None:
+        if self._frozen_verifier is None:
             from fairseq import checkpoint_utils
 
             path = self.cfg.init_from_verifier
@@ -440,5 +419,5 @@ class DraftVerifyTask(TranslationTask):
         )
         if not training:
             shard = itr.frozen_batches[shard_id::num_shards]
-            self.sentence_counter.expect(sum(len(batch) for batch in shard))
+            self.generation_services.sentences.expect(sum(len(batch) for batch in shard))
         return itr

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels import rowgemm
-from ..kernels.packing import packed_linear
-from ..utils.projection import DerivedWeight
+from ...kernels import rowgemm
+from ...kernels.packing import packed_linear
+from ...utils.projection import DerivedWeight
 
 
 def native_block_pass_reason(model) -> Optional[str]:
