@@ -113,9 +113,6 @@ class AcceptanceStep(ABC):
                  host_checks: bool, always_mask: bool = False) -> StepResult:
         """See the class docstring."""
 
-    def describe(self) -> str:
-        return "native" if self.native else "torch"
-
 
 class TensorStep(AcceptanceStep):
     """The step as torch operations, for a chain or a tree alike (a chain's
