@@ -82,10 +82,6 @@ def bench_entry(decoding) -> BenchEntry:
     return entry
 
 
-def bench_label(decoding) -> str:
-    return bench_entry(decoding).label or decoding.name
-
-
 def fmt_number(x: float) -> str:
     """``1.0`` -> ``"1"``, ``0.5`` -> ``"0.5"`` (keys of the sweeps)."""
     return str(int(x)) if float(x).is_integer() else str(x)

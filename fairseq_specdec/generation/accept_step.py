@@ -170,14 +170,18 @@ class TensorStep(AcceptanceStep):
         return StepResult(greedy, new_lprobs, n_new, cum, torch.stack([n_new, has_eos, zeros, zeros]))
 
 
+def _native_rule(rule: AcceptanceRule) -> bool:
+    """Whether the extension's ``strict_step`` computes ``rule``: strict, or
+    top-beta with the verifier's scores."""
+    return isinstance(rule, StrictAcceptance) or (isinstance(rule, TopBetaAcceptance) and rule.score == "verifier")
+
+
 def native_encoding(rule: AcceptanceRule) -> Optional[tuple]:
     """What the extension's ``strict_step`` is told for ``rule``: None for
     strict, ``(beta, tau)`` for top-beta with the verifier's scores."""
-    if isinstance(rule, StrictAcceptance):
-        return None
-    if isinstance(rule, TopBetaAcceptance) and rule.score == "verifier":
-        return rule.beta, rule.tau
-    raise ValueError(f"the native acceptance step does not compute {rule!r}")
+    if not _native_rule(rule):
+        raise ValueError(f"the native acceptance step does not compute {rule!r}")
+    return None if isinstance(rule, StrictAcceptance) else (rule.beta, rule.tau)
 
 
 def native_step_unavailable(rule: AcceptanceRule, unk_penalty: float) -> Optional[str]:
@@ -185,7 +189,7 @@ def native_step_unavailable(rule: AcceptanceRule, unk_penalty: float) -> Optiona
     verifier's float32 log-probs): the extension's one call computes strict
     and top-beta acceptance with the verifier's scores under fairseq's rules
     without ``--unkpen``."""
-    if not (isinstance(rule, StrictAcceptance) or (isinstance(rule, TopBetaAcceptance) and rule.score == "verifier")):
+    if not _native_rule(rule):
         return f"it computes strict and top-beta verification with the verifier's scores, and the rule is {rule!r}"
     if unk_penalty != 0:
         return f"it applies no --unkpen, and --unkpen is {unk_penalty}"

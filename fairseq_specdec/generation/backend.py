@@ -80,14 +80,10 @@ class Backend:
 
     def acceptance_step(self, rule, rules: FairseqRules) -> AcceptanceStep:
         """The step from the pass's log-probs to the tokens appended, for
-        acceptance ``rule`` under fairseq's ``rules``."""
+        acceptance ``rule`` under fairseq's ``rules`` (``NativeStep`` refuses
+        what it cannot compute, ``--unkpen`` included)."""
         tensors = TensorStep(rule, rules)
-        if not self.fused_accept:
-            return tensors
-        if rules.unk_penalty != 0:
-            raise ValueError("the backend's native acceptance step applies no --unkpen; resolve the backend "
-                             "with the generator's --unkpen")
-        return NativeStep(tensors)
+        return NativeStep(tensors) if self.fused_accept else tensors
 
     def runners(self, drafter: Drafter, trees: bool) -> tuple:
         """``(eager, whole)``: the runner of every iteration, and the runner

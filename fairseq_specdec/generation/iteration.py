@@ -75,8 +75,8 @@ class Iteration:
             lprobs = self.verifier.forward(tokens, state, needed)
         out = self.step(state, lprobs, drafts, drafted, max_len, host_checks, always_mask)
         features = self.verifier.last_features
-        if features is not None and out.path is not None:
-            features = features.gather(1, out.path.unsqueeze(-1).expand(-1, -1, features.size(-1)))
+        if features is not None:  # along each row's appended tokens (a chain's are its slots)
+            features = drafts.along(features, out.path)
         return out, features
 
     def _drafts(self, state, k: int, host_checks: bool) -> Tuple[DraftTree, Optional[List[int]]]:

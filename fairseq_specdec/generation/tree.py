@@ -80,6 +80,14 @@ def derived_views(parents: Sequence[Sequence[int]], device) -> Dict[str, Tensor]
     )
 
 
+def gather_slots(x: Tensor, index: Tensor) -> Tensor:
+    """``x`` (B x m, or B x m x C) at the slots ``index`` (B x j) of each row:
+    B x j (x C)."""
+    if x.dim() == 3:
+        index = index.unsqueeze(-1).expand(-1, -1, x.size(-1))
+    return x.gather(1, index)
+
+
 @dataclass
 class DraftTree:
     """B rows of ``n`` drafted nodes each (see the module docstring).
@@ -143,10 +151,7 @@ class DraftTree:
     def parent_values(self, x: Tensor) -> Tensor:
         """B x n (x ...): ``x``'s entry at each node's parent slot (``x``:
         B x (1 + n) (x ...), one entry per slot)."""
-        index = self.parents[:, 1:]
-        if x.dim() == 3:
-            index = index.unsqueeze(-1).expand(-1, -1, x.size(-1))
-        return x.gather(1, index)
+        return gather_slots(x, self.parents[:, 1:])
 
     def running_scores(self, cum: Tensor, draft_vlp: Tensor, on_host: bool) -> Tensor:
         """B x (1 + n) float32 running scores before each slot: the row's
@@ -189,10 +194,7 @@ class DraftTree:
     def along(x: Tensor, path: Optional[Tensor]) -> Tensor:
         """``x`` (B x (1 + n) (x ...), one entry per slot) at the slots of
         ``path`` (B x (1 + D)); ``x`` itself where ``path`` is None (a chain)."""
-        if path is None:
-            return x
-        index = path if x.dim() == 2 else path.unsqueeze(-1).expand(-1, -1, x.size(-1))
-        return x.gather(1, index)
+        return x if path is None else gather_slots(x, path)
 
     def drafted_counts(self, pad: int) -> Tensor:
         """B: each row's drafted nodes (those not pad)."""
@@ -249,8 +251,8 @@ class ChainTree(DraftTree):
         return self._cache["parents"]
 
     def _derive(self) -> None:
-        bsz, m = self.parents.shape
-        slots = torch.arange(m, device=self.parents.device)
+        bsz, m = self.tokens.size(0), self.slots
+        slots = torch.arange(m, device=self.tokens.device)
         self._cache.update(
             depths=slots.unsqueeze(0).expand(bsz, -1),
             ancestors=(slots.unsqueeze(1) >= slots.unsqueeze(0)).unsqueeze(0).expand(bsz, -1, -1),
