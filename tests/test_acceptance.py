@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-import specdec_helpers  # noqa: F401  (sys.path)
+import specdec_helpers as H
 from fairseq_specdec.generation.acceptance import (
     StrictAcceptance,
     TopBetaAcceptance,
@@ -131,8 +131,11 @@ def test_build_acceptance_relaxed():
      (2, -1.0, "verifier", "tau"), (1, -0.5, "verifier", "tau"),
      (2, 1.0, "bogus", "score"), (1, 1.0, "bogus", "score")],
 )
-def test_invalid_settings_raise(beta, tau, score, word):
-    with pytest.raises(ValueError, match=word):
-        build_acceptance(beta, tau, score)
-    with pytest.raises(ValueError, match=word):
-        TopBetaAcceptance(beta, tau, score)
+def test_invalid_settings_raise(toy_bin, beta, tau, score, word):
+    """The options refuse them by name, whatever the acceptance rule would do."""
+    from fairseq_specdec.generation.options import SpeculativeOptions
+
+    cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--decoding", "self-draft", "--beam", "1")
+    cfg.task.verify_beta, cfg.task.verify_tau, cfg.task.verify_score = beta, tau, score
+    with pytest.raises(ValueError, match=f"--verify-{word}"):
+        SpeculativeOptions.from_config(cfg.task, cfg.generation)

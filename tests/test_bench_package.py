@@ -577,3 +577,24 @@ def test_profile_wraps_the_weight_checks_and_undoes_its_wrapper_even_on_failure(
         profiling.profile({}, lambda generator: [], warmup=0)
     assert seen["wrapped"]
     assert WeightsWatch.changed is original
+
+
+def test_parts_are_switched_off_by_the_benchmark_only(toy_bin, ar_checkpoint, monkeypatch):
+    """FAIRSEQ_SPECDEC_OFF is the benchmark's: a row's assignment switches
+    the parts off for that row's generator (an unknown part refused, naming
+    the variable); in the environment of a plain run it changes nothing."""
+    from fairseq_specdec.generation import resolve_backend
+
+    if not H.gemm_available("rowgemm"):
+        pytest.skip("the native kernels do not run here")
+    with pytest.raises(ValueError, match="FAIRSEQ_SPECDEC_OFF=accept,nope: no native part nope"):
+        loading.parts_off("accept,nope")
+    with pytest.raises(ValueError, match="no native part nope"):
+        resolve_backend("auto", torch.nn.Linear(2, 2), None, off={"nope"})
+    spec = dict(data=toy_bin, src="src", tgt="tgt", threads=1, path=ar_checkpoint, beam=1, batch_size=1,
+                extra=["--decoding", "loop-greedy", "FAIRSEQ_SPECDEC_OFF=products"])
+    _, _, generator, _ = loading.load_decoder(spec)
+    assert generator.verifier.describe() == "lean (torch products)"
+    monkeypatch.setenv("FAIRSEQ_SPECDEC_OFF", "products")
+    _, _, generator, _ = loading.load_decoder(dict(spec, extra=["--decoding", "loop-greedy"]))
+    assert "rowgemm products" in generator.verifier.describe()

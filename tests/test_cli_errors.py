@@ -84,9 +84,10 @@ def bigger_dict_vsd_drafter(toy_bin, tmp_path_factory):
     return H.save_model_checkpoint(model, cfg, root / "vsd.pt")
 
 
-def build(toy_bin, models, *argv):
+def build(toy_bin, models, *argv, parts_off=frozenset()):
     cfg = H.generation_cfg(toy_bin, "--task", "draft_verify", "--beam", "1", *argv)
     task = tasks.setup_task(cfg.task)
+    task.generation_services.parts_off = frozenset(parts_off)
     return task.build_generator(models, cfg.generation)
 
 
@@ -313,8 +314,10 @@ def test_infinite_verify_tau_is_no_limit(toy_bin, untrained_verifier, random_dra
 
 @pytest.mark.parametrize("k", ["-1", "0", "2", "100000"])
 def test_loop_greedy_refuses_a_block_size(toy_bin, untrained_verifier, k):
-    """loop-greedy never drafts: a block size was logged as 1 whatever was given."""
-    with pytest.raises(ValueError, match=f"--block-size does not apply \\(got {k}\\)"):
+    """loop-greedy never drafts: a block size was logged as 1 whatever was
+    given (one below 1 is refused with the options, for every decoding)."""
+    message = "--block-size must be >= 1" if int(k) < 1 else f"--block-size does not apply \\(got {k}\\)"
+    with pytest.raises(ValueError, match=message):
         build(toy_bin, [untrained_verifier[0]], "--decoding", "loop-greedy", "--block-size", k)
 
 
@@ -382,8 +385,8 @@ def test_vsd_default_block_size_follows_the_product_kernel(toy_bin, untrained_ve
     if kernel == "rowgemm" and not rowgemm.applies_to(untrained_vsd.output_weight):
         pytest.skip(f"the rowgemm kernel does not run here: {rowgemm.unavailable_reason()}")
     assert int(untrained_vsd.train_block_size) == 4
-    with H.environment({"FAIRSEQ_SPECDEC_OFF": "products" if kernel == "none" else ""}):
-        assert build(toy_bin, [verifier, untrained_vsd], *DV).block_size == (3 if kernel == "rowgemm" else 4)
+    off = {"products"} if kernel == "none" else set()
+    assert build(toy_bin, [verifier, untrained_vsd], *DV, parts_off=off).block_size == (3 if kernel == "rowgemm" else 4)
     assert build(toy_bin, [verifier, untrained_vsd], *DV, "--block-size", "5").block_size == 5
 
 

@@ -126,11 +126,13 @@ def test_a_host_drafter_reads_every_rows_context_at_once(verifier, kind, bsz):
     # read for the whole batch, so the loop's one read per iteration becomes two
     from fairseq_specdec.generation.drafters import SourceCopyDrafter
     from fairseq_specdec.generation.ngram import NgramDrafter, load_ngram_corpus
+    from fairseq_specdec.generation.options import NgramOptions
 
     model, task = verifier
     d = task.target_dictionary
     if kind == "ngram":
-        drafter = NgramDrafter(load_ngram_corpus(task, "train", 3), neighbours=4, pad=d.pad(), eos=d.eos(),
+        drafter = NgramDrafter(load_ngram_corpus(task, NgramOptions("train", 3, 4, 0.0, task.cfg.data, task.cfg.source_lang,
+                                                                    task.cfg.target_lang)), neighbours=4, pad=d.pad(), eos=d.eos(),
                                min_confidence=0.0)
     else:
         drafter = SourceCopyDrafter(d.pad(), d.eos())

@@ -142,7 +142,8 @@ def test_normformer_falls_back_to_fairseqs_modules_and_says_why(toy_bin):
 @pytest.mark.slow
 def test_backend_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint, toy_bin):
     """fairseq-generate's --specdec-backend builds the verify pass it names,
-    and the benchmark's parts switch (FAIRSEQ_SPECDEC_OFF) the pieces it names."""
+    and the parts the task's services switch off (the benchmark's
+    FAIRSEQ_SPECDEC_OFF) the pieces they name."""
     from fairseq import checkpoint_utils, tasks
 
     kinds = {}
@@ -154,8 +155,8 @@ def test_backend_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint,
         cfg = H.generation_cfg(toy_bin, *argv)
         task = tasks.setup_task(cfg.task)
         models, _ = checkpoint_utils.load_model_ensemble([ar_checkpoint], task=task)
-        with H.environment({"FAIRSEQ_SPECDEC_OFF": off}):
-            gen = task.build_generator(models, cfg.generation)
+        task.generation_services.parts_off = frozenset([off] if off else [])
+        gen = task.build_generator(models, cfg.generation)
         kinds[(backend, off)] = gen.verifier.describe()
     # the toy verifier's layers are ReLU layers: natively each runs as one
     # fused call, its encoder's too (tests/test_lean_encoder.py)

@@ -13,6 +13,7 @@ import specdec_helpers as H
 from specdec_helpers import OPTION_SETS, assert_identical, check_stats, speculative_run
 from fairseq_specdec.generation import DraftLengthPolicy, FixedRows, MeasuredRows
 from fairseq_specdec.generation.ngram import NgramCorpus, NgramDrafter, _most_frequent, load_ngram_corpus
+from fairseq_specdec.generation.options import NgramOptions
 
 BOS = EOS = 2
 PAD = 1
@@ -134,16 +135,14 @@ def test_draft_stops_where_its_confidence_falls_below_the_floor(floor, want):
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="--ngram-order"):
-        NgramCorpus(SOURCES, TARGETS, order=0, bos=BOS)
-    corpus = NgramCorpus(SOURCES, TARGETS, order=2, bos=BOS)
-    with pytest.raises(ValueError, match="--ngram-neighbours"):
-        NgramDrafter(corpus, neighbours=-1, pad=PAD, eos=EOS)
-    for floor in (-0.1, 1.0):
-        with pytest.raises(ValueError, match="--ngram-min-confidence"):
-            NgramDrafter(corpus, neighbours=0, pad=PAD, eos=EOS, min_confidence=floor)
-    with pytest.raises(ValueError, match="--draft-max-rows"):
-        FixedRows(0)
+    good = dict(split="train", order=2, neighbours=0, min_confidence=0.0, data_dir="", source_lang=None,
+                target_lang=None)
+    NgramOptions(**good)
+    for field, value, option in (("order", 0, "--ngram-order"), ("neighbours", -1, "--ngram-neighbours"),
+                                 ("min_confidence", -0.1, "--ngram-min-confidence"),
+                                 ("min_confidence", 1.0, "--ngram-min-confidence")):
+        with pytest.raises(ValueError, match=option):
+            NgramOptions(**dict(good, **{field: value}))
 
 
 def test_row_rule_default_follows_the_verifier_device_and_the_acceptance():
@@ -159,8 +158,6 @@ def test_row_rule_default_follows_the_verifier_device_and_the_acceptance():
     for acceptance in (strict, relaxed):
         assert isinstance(draft_rows_rule(0, cpu, acceptance), AllRows)
         assert draft_rows_rule(7, cpu, acceptance).max_rows == 7
-    with pytest.raises(ValueError, match="--draft-max-rows"):
-        draft_rows_rule(-1, cpu, strict)
     if torch.cuda.is_available():
         assert isinstance(draft_rows_rule(None, cpu.cuda(), strict), AllRows)
 
@@ -174,7 +171,8 @@ def test_row_limit_policy():
 @pytest.fixture(scope="module")
 def toy_corpus(verifier):
     model, task = verifier
-    return load_ngram_corpus(task, "train", 4)
+    cfg = task.cfg  # the verifier's translation task: no --ngram-* options
+    return load_ngram_corpus(task, NgramOptions("train", 4, 20, 0.25, cfg.data, cfg.source_lang, cfg.target_lang))
 
 
 def mean_accepted(stats):

@@ -130,13 +130,6 @@ def test_policy_pads_drafts_past_their_length_and_from_the_first_unconfident_slo
     assert DraftLengthPolicy(4, min_confidence=0.5).limit(tokens, None, [4, 4, 4], pad).equal(tokens)
 
 
-def test_policy_option_checks():
-    with pytest.raises(ValueError, match="--block-size"):
-        DraftLengthPolicy(0)
-    with pytest.raises(ValueError, match="--draft-min-confidence"):
-        DraftLengthPolicy(4, min_confidence=1.0)
-
-
 # ---------------------------------------------------------------- the statistics line of every run
 
 

@@ -2,9 +2,26 @@
 import os
 import re
 from contextlib import contextmanager
-from typing import Dict, List, Tuple
+from typing import Dict, FrozenSet, List, Tuple
 
 _ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
+
+#: a row's assignment of this name switches native parts off for that row
+#: (comma-separated names of :data:`fairseq_specdec.kernels.PARTS`), to
+#: measure what each gains; the benchmark's only, never read by decoding
+OFF_ENV = "FAIRSEQ_SPECDEC_OFF"
+
+
+def parts_off(text: str) -> FrozenSet[str]:
+    """The native parts of a row's ``FAIRSEQ_SPECDEC_OFF=text``; an unknown
+    name is refused, naming the variable."""
+    from fairseq_specdec.kernels import PARTS
+
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(names - set(PARTS))
+    if unknown:
+        raise ValueError(f"{OFF_ENV}={text}: no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    return names
 
 
 def split_environment(extra: List[str]) -> Tuple[Dict[str, str], List[str]]:
@@ -113,7 +130,8 @@ def load_decoder(spec: Dict):
     """Models, task and generator of one configuration, exactly as
     ``fairseq-generate`` builds them, with threads pinned (and the row's
     environment assignments set while its generator is built:
-    :func:`split_environment`).  Returns
+    :func:`split_environment`; ``FAIRSEQ_SPECDEC_OFF=PARTS`` switches those
+    native parts off for this row's generator, :func:`parts_off`).  Returns
     ``(task, models, generator, batches)``; ``batches()`` yields the test set
     (its first ``spec["limit"]`` sentences) in fairseq's batch order, on the
     spec's device (``"cpu"`` unless ``spec["device"]`` says ``"cuda"``)."""
@@ -134,6 +152,8 @@ def load_decoder(spec: Dict):
     # the dataset is loaded after the checkpoint, with its task config, as fairseq-generate does
     max_positions = utils.resolve_max_positions(task.max_positions(), *[m.max_positions() for m in models])
     batches = batch_source(spec, task, cfg, max_positions, task_cfg=saved_cfg.task)
-    with environment(split_environment(list(spec.get("extra", [])))[0]):
+    env = split_environment(list(spec.get("extra", [])))[0]
+    task.generation_services.parts_off = parts_off(env.pop(OFF_ENV, ""))
+    with environment(env):
         generator = task.build_generator(models, cfg.generation)
     return task, models, generator, batches

@@ -10,4 +10,5 @@ from .state import DecodingState, Feedback  # noqa: F401
 from .stats import SentenceCounter, SpecDecStats  # noqa: F401
 from .verifier import CachedVerifier  # noqa: F401
 from .verify_pass import VerifyPass  # noqa: F401
-from .backend import BACKENDS, Backend, resolve_backend  # noqa: F401
+from .backend import Backend, resolve_backend  # noqa: F401
+from .options import BACKENDS, SpeculativeOptions  # noqa: F401

@@ -55,16 +55,12 @@ class TopBetaAcceptance(AcceptanceRule):
     (``score="verifier"``, Xia et al. 2023 and the authors' code) or the drafter's
     (``score="drafter"``, the SpecDec ICLR 2023 submission).  Tokens fairseq forbids at that step
     (log-prob -inf: pad, EOS before --min-len, anything but EOS at the length
-    limit) are never accepted.
+    limit) are never accepted.  ``beta`` >= 1, ``tau`` >= 0 and ``score``
+    one of :data:`VERIFY_SCORES`, as the options
+    (:class:`~fairseq_specdec.generation.options.SpeculativeOptions`) check them.
     """
 
     def __init__(self, beta: int, tau: float, score: str = "verifier"):
-        if beta < 1:
-            raise ValueError(f"--verify-beta must be >= 1, got {beta}")
-        if not tau >= 0:  # NaN too: it would accept nothing, silently
-            raise ValueError(f"--verify-tau must be a number >= 0 (inf: no limit), got {tau}")
-        if score not in VERIFY_SCORES:
-            raise ValueError(f"--verify-score must be one of {VERIFY_SCORES}, got {score!r}")
         self.beta, self.tau, self.score = beta, tau, score
         self.uses_draft_scores = score == "drafter"
 
@@ -86,6 +82,8 @@ class TopBetaAcceptance(AcceptanceRule):
 
 
 def build_acceptance(beta: int, tau: float, score: str):
-    """beta = 1 is strict verification whatever tau and score say."""
-    rule = TopBetaAcceptance(beta, tau, score)  # validates the values
-    return StrictAcceptance() if beta == 1 else rule
+    """The rule of ``--verify-beta``/``--verify-tau``/``--verify-score``
+    (values checked with the options:
+    :class:`~fairseq_specdec.generation.options.SpeculativeOptions`); beta =
+    1 is strict verification whatever tau and score say."""
+    return StrictAcceptance() if beta == 1 else TopBetaAcceptance(beta, tau, score)

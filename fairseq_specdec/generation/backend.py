@@ -29,16 +29,18 @@ compute natively, and whether whole iterations run on fixed buffers.
 
 Both keep the loop's guarantee (strict output = the verifier's greedy
 output under the pass's arithmetic, at any batch size); the kernels round
-differently from torch's BLAS (docs/verify-kernels.md, Exactness).  ``FAIRSEQ_SPECDEC_OFF``
-switches single native parts off, for the benchmark only
-(:data:`fairseq_specdec.kernels.PARTS`, docs/benchmarking.md).
+differently from torch's BLAS (docs/verify-kernels.md, Exactness).
+:func:`resolve_backend`'s ``off`` leaves single native parts unused
+(:data:`fairseq_specdec.kernels.PARTS`): the benchmark measures each part
+that way (the task's
+:attr:`~fairseq_specdec.generation.services.GenerationServices.parts_off`).
 """
 from dataclasses import dataclass, field
 from typing import FrozenSet, Optional, Tuple
 
 import torch
 
-from ..kernels import OFF_ENV, applies_to, parts_off, rowgemm, unavailable_reason
+from ..kernels import PARTS, applies_to, rowgemm, unavailable_reason
 from .accept_step import AcceptanceStep, FairseqRules, NativeStep, TensorStep, native_step_unavailable
 from .drafters import NO_KERNELS, Drafter, DraftKernels, StaticDrafter
 from .iteration import EagerRunner
@@ -47,9 +49,6 @@ from .lean_verifier import LeanVerifier, lean_unsupported_reason
 from .static_verifier import StaticVerifier
 from .verifier import CachedVerifier
 from .verify_pass import VerifyPass
-
-#: ``--specdec-backend`` choices
-BACKENDS = ("auto", "reference")
 
 #: on a half-precision CUDA verifier, the verify pass's graphs run for
 #: batches of at most this many sentences (whole iterations have not been
@@ -68,7 +67,8 @@ class Backend:
     extension (strict or top-beta acceptance, float32 log-probs on a CPU);
     ``iteration``, ``static`` or ``iteration`` where whole iterations of a
     batch of one sentence run on fixed buffers (``iteration``: captured as
-    CUDA graphs), else None; ``reasons``: why, for the log."""
+    CUDA graphs), else None; ``reasons``: why, for the log; ``off``: the
+    native parts it was told not to use."""
 
     name: str
     verifier: VerifyPass
@@ -105,7 +105,7 @@ class Backend:
         if self.iteration is not None:
             parts.append(f"whole iterations at batch 1 ({self.iteration})")
         why = f"; {'; '.join(self.reasons)}" if self.reasons else ""
-        off = f"; switched off by {OFF_ENV}: {', '.join(sorted(self.off))}" if self.off else ""
+        off = f"; native parts not used: {', '.join(sorted(self.off))}" if self.off else ""
         return f"--specdec-backend {self.name}: {', '.join(parts)}{why}{off}"
 
 
@@ -123,20 +123,20 @@ def cuda_graph_choice(dtype: torch.dtype, off: FrozenSet[str] = frozenset()) -> 
     return "on", AUTO_GRAPH_ROWS
 
 
-def check_backend(name: str) -> None:
-    if name not in BACKENDS:
-        raise ValueError(f"--specdec-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-
-
 def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_penalty: float = 0.0,
-                    off: Optional[FrozenSet[str]] = None, static: Optional[str] = None) -> Backend:
-    """The :class:`Backend` of ``--specdec-backend name`` for verifier
-    ``model`` (see the module docstring).  ``off``: native parts switched
-    off (default: ``FAIRSEQ_SPECDEC_OFF``'s).  ``static`` (tests and tools
+                    off: FrozenSet[str] = frozenset(), static: Optional[str] = None) -> Backend:
+    """The :class:`Backend` of ``--specdec-backend name`` (one of
+    :data:`~fairseq_specdec.generation.options.BACKENDS`, checked with the
+    options) for verifier
+    ``model`` (see the module docstring).  ``off``: names of native parts
+    (:data:`~fairseq_specdec.kernels.PARTS`) not to use; an unknown name is
+    refused.  ``static`` (tests and tools
     only): ``static`` runs the static-shape pass and whole iterations
     eagerly on any device, ``on`` / ``iteration`` with CUDA graphs."""
-    check_backend(name)
-    off = parts_off() if off is None else frozenset(off)
+    off = frozenset(off)
+    unknown = sorted(off - set(PARTS))
+    if unknown:
+        raise ValueError(f"no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype
     if name == "reference":
@@ -160,7 +160,7 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     if native is None and not applies_to(weight):
         native = f"the verifier's weights are {dtype} on {device}"
     if native is None and "products" in off:
-        native = f"switched off by {OFF_ENV}"
+        native = "the products part is not to be used"
     if native is not None:
         return Backend(name, LeanVerifier(model, temperature, gemm="torch", encoder="fairseq"),
                        reasons=(f"torch's products: the native kernels do not run ({native})",), off=off)

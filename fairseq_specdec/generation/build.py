@@ -1,7 +1,9 @@
-"""Build the speculative generator from fairseq's generation options.
+"""Build the speculative generator of ``--decoding`` from its options.
 
-Every option the loop cannot honour fails here, before any decoding, with a
-message naming it.
+The options arrive checked (:class:`~.options.SpeculativeOptions`); what
+depends on the models (a drafter that fits, a block size it can draft, a
+tree it can shape) fails here, before any decoding, with a message naming
+the option.
 """
 import logging
 import os
@@ -15,7 +17,8 @@ from .backend import resolve_backend
 from ..models.protocol import BlockwiseHeadsModel, DrafterModel
 from .combined import CombinedDrafter
 from .drafters import BlockwiseHeadsDrafter, NoDrafter, SourceCopyDrafter, TreeDrafter, drafter_for_model
-from .ngram import NgramDrafter, check_options as check_ngram_options, load_ngram_corpus
+from .ngram import NgramDrafter, load_ngram_corpus
+from .options import SpeculativeOptions
 from .self_draft import SelfDrafter
 from .registry import DECODINGS, DEFAULT_MIN_CONFIDENCE, BuiltDrafter, Decoding, DrafterContext, get_decoding, register_decoding
 from .draft_policy import AllRows, DraftLengthPolicy, FixedRows, MeasuredRows, RowsRule
@@ -28,43 +31,6 @@ logger = logging.getLogger(__name__)
 #: --decoding ngram's k when --block-size is not given: a cap; its confidence
 #: cut (--ngram-min-confidence) decides how much of it a row drafts
 NGRAM_BLOCK_SIZE = 7
-
-# (option, predicate on its value that means "set to something we cannot honour")
-UNSUPPORTED_OPTIONS = [
-    ("sampling", lambda v: bool(v)),
-    ("sampling_topk", lambda v: v is not None and v > 0),
-    ("sampling_topp", lambda v: v is not None and v > 0),
-    ("diverse_beam_groups", lambda v: v is not None and v > 0),
-    ("diversity_rate", lambda v: v is not None and v > -1),
-    ("match_source_len", lambda v: bool(v)),
-    ("constraints", lambda v: bool(v)),
-    ("prefix_size", lambda v: v is not None and v > 0),
-    ("no_repeat_ngram_size", lambda v: v is not None and v > 0),
-    ("print_alignment", lambda v: bool(v)),
-    ("nbest", lambda v: v is not None and v > 1),
-    ("lm_path", lambda v: bool(v)),
-    # fairseq-generate then reads a "history" entry no greedy loop keeps (stock --beam 1 crashes on it too)
-    ("retain_iter_history", lambda v: bool(v)),
-]
-
-
-def _option_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_generation_options(args) -> None:
-    beam = getattr(args, "beam", 1)
-    if beam != 1:
-        raise ValueError(
-            f"speculative decoding is greedy and needs --beam 1 (got --beam {beam}); from "
-            "Python, translate(..., beam=1), or load the model with "
-            "fairseq_specdec.hub.from_pretrained, whose translate() decodes greedily"
-        )
-    for name, unsupported in UNSUPPORTED_OPTIONS:
-        value = getattr(args, name, None)
-        if unsupported(value):
-            raise ValueError(f"speculative decoding does not support {_option_name(name)} (got {value!r})")
-
 
 def load_drafter(task, path: str, like, cache: Dict[tuple, object]):
     """Load a drafter checkpoint (specdec_nat or specdec_vsd) with the task's dictionaries; placed on the
@@ -94,7 +60,7 @@ def load_drafter(task, path: str, like, cache: Dict[tuple, object]):
     return drafter.to(device=param.device, dtype=param.dtype).eval()
 
 
-def _split_models(task, models):
+def _split_models(options: SpeculativeOptions, models):
     drafters = [m for m in models if isinstance(m, DrafterModel)]
     verifiers = [m for m in models if not isinstance(m, DrafterModel)]
     if not verifiers and drafters:
@@ -105,7 +71,7 @@ def _split_models(task, models):
         )
     if len(verifiers) != 1:
         raise ValueError(
-            f"--decoding {task.cfg.decoding} needs exactly one verifier in --path, got "
+            f"--decoding {options.decoding} needs exactly one verifier in --path, got "
             f"{len(verifiers)} (ensembles are not supported)"
         )
     return verifiers[0], drafters
@@ -119,7 +85,7 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
 def _model_drafter(ctx: DrafterContext):
     """The drafter checkpoint's drafter, its default k and where it came from."""
     task, verifier, drafters, acceptance = ctx.task, ctx.verifier, ctx.drafters, ctx.acceptance
-    cfg = task.cfg
+    cfg = ctx.options
     if cfg.drafter_path and drafters:
         raise ValueError("give the drafter either with --drafter-path or in --path, not both")
     if len(drafters) > 1:
@@ -136,15 +102,15 @@ def _model_drafter(ctx: DrafterContext):
     check_same_dictionary(
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
-    need_scores = acceptance.uses_draft_scores or min_confidence(cfg, DEFAULT_MIN_CONFIDENCE) > 0
+    need_scores = acceptance.uses_draft_scores or cfg.min_confidence_or(DEFAULT_MIN_CONFIDENCE) > 0
     drafter = drafter_for_model(model, verifier, need_scores, source, ctx.backend.drafting)
-    block_size = cfg.block_size if cfg.block_size is not None else drafter.default_block(int(model.train_block_size))
+    block_size = cfg.block_size_or(drafter.default_block(int(model.train_block_size)))
     return drafter, block_size, source
 
 
 def _no_drafter_model(ctx: DrafterContext, what: str) -> None:
-    if ctx.drafters or ctx.cfg.drafter_path:
-        raise ValueError(f"--decoding {ctx.cfg.decoding} {what} and takes no drafter (--drafter-path, or a second model in --path)")
+    if ctx.drafters or ctx.options.drafter_path:
+        raise ValueError(f"--decoding {ctx.options.decoding} {what} and takes no drafter (--drafter-path, or a second model in --path)")
 
 
 def _source_copy_drafter(ctx: DrafterContext) -> BuiltDrafter:
@@ -157,7 +123,7 @@ def _source_copy_drafter(ctx: DrafterContext) -> BuiltDrafter:
             "target must share one dictionary (fairseq-preprocess --joined-dictionary)"
         )
     # no cap by default: the whole rest of the source is one draft
-    block_size = task.cfg.block_size if task.cfg.block_size is not None else verifier.max_decoder_positions()
+    block_size = ctx.options.block_size_or(verifier.max_decoder_positions())
     drafter = SourceCopyDrafter(tgt.pad(), tgt.eos())
     return BuiltDrafter(drafter, block_size, drafter.describe())
 
@@ -171,7 +137,7 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
             f"{type(verifier).__name__}"
         )
     heads = verifier.blockwise_k - 1
-    k = ctx.cfg.block_size
+    k = ctx.options.block_size
     block_size = min(k, heads) if k is not None else heads
     drafter = BlockwiseHeadsDrafter(verifier, kernels=ctx.backend.drafting)
     return BuiltDrafter(drafter, block_size, drafter.describe())
@@ -180,15 +146,14 @@ def _blockwise_drafter(ctx: DrafterContext) -> BuiltDrafter:
 def _ngram_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts from a corpus (--ngram-split)")
     drafter = _corpus_drafter(ctx)
-    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else NGRAM_BLOCK_SIZE
+    block_size = ctx.options.block_size_or(NGRAM_BLOCK_SIZE)
     return BuiltDrafter(drafter, block_size, drafter.describe())
 
 
 def _corpus_drafter(ctx: DrafterContext) -> NgramDrafter:
-    cfg, tgt = ctx.cfg, ctx.task.target_dictionary
-    check_ngram_options(cfg.ngram_order, cfg.ngram_neighbours, cfg.ngram_min_confidence)
-    corpus = load_ngram_corpus(ctx.task, cfg.ngram_split, cfg.ngram_order, ctx.services.ngram_corpora)
-    return NgramDrafter(corpus, cfg.ngram_neighbours, tgt.pad(), tgt.eos(), cfg.ngram_min_confidence)
+    ngram, tgt = ctx.options.ngram, ctx.task.target_dictionary
+    corpus = load_ngram_corpus(ctx.task, ngram, ctx.services.ngram_corpora)
+    return NgramDrafter(corpus, ngram.neighbours, tgt.pad(), tgt.eos(), ngram.min_confidence)
 
 
 #: --draft-tree of ngram+draft-verify when it is not given (chosen on the valid split: docs/trees.md)
@@ -202,7 +167,7 @@ def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:
                          f"{model_drafter.describe()}) drafts chains only: give a specdec_vsd drafter")
     ngram = _corpus_drafter(ctx)
     tgt = ctx.task.target_dictionary
-    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else NGRAM_BLOCK_SIZE
+    block_size = ctx.options.block_size_or(NGRAM_BLOCK_SIZE)
     drafter = CombinedDrafter(ngram, model_drafter, tgt.pad(), second_k=model_k)
     return BuiltDrafter(drafter, block_size, f"{drafter.describe()} ({source})", tree_nodes=COMBINED_TREE_NODES)
 
@@ -213,26 +178,21 @@ SELF_DRAFT_BLOCK_SIZE = 8
 SELF_DRAFT_MIN_CONFIDENCE = 0.0
 
 
-def min_confidence(cfg, default: float) -> float:
-    """--draft-min-confidence as given, else the decoding's ``default``."""
-    return cfg.draft_min_confidence if cfg.draft_min_confidence is not None else default
-
-
 def _self_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts with the verifier's own int8 copy")
     tgt = ctx.task.target_dictionary
-    cut = min_confidence(ctx.cfg, SELF_DRAFT_MIN_CONFIDENCE)
+    cut = ctx.options.min_confidence_or(SELF_DRAFT_MIN_CONFIDENCE)
     drafter = SelfDrafter(ctx.verifier, tgt.pad(), tgt.eos(), cut, native=ctx.backend.drafting.products)
-    block_size = ctx.cfg.block_size if ctx.cfg.block_size is not None else SELF_DRAFT_BLOCK_SIZE
+    block_size = ctx.options.block_size_or(SELF_DRAFT_BLOCK_SIZE)
     return BuiltDrafter(drafter, block_size, drafter.describe(), min_confidence=SELF_DRAFT_MIN_CONFIDENCE)
 
 
 def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "never drafts")
-    k = ctx.cfg.block_size
+    k = ctx.options.block_size
     if k is not None and k != 1:
         raise ValueError(
-            f"--decoding {ctx.cfg.decoding} never drafts (one verifier token per iteration): "
+            f"--decoding {ctx.options.decoding} never drafts (one verifier token per iteration): "
             f"--block-size does not apply (got {k}); drop it"
         )
     drafter = NoDrafter()
@@ -311,7 +271,7 @@ def draft_rows_rule(value, verifier, acceptance) -> RowsRule:
         if next(verifier.parameters()).device.type != "cpu":
             return AllRows()
         return MeasuredRows() if isinstance(acceptance, StrictAcceptance) else FixedRows(DRAFT_MAX_ROWS_CPU)
-    return FixedRows(value) if value else AllRows()  # FixedRows refuses a negative N
+    return FixedRows(value) if value else AllRows()  # (a negative N: refused with the options)
 
 
 def check_strictness(decoding: Decoding, acceptance) -> None:
@@ -328,19 +288,21 @@ def check_strictness(decoding: Decoding, acceptance) -> None:
     )
 
 
-def build_speculative_generator(task, models, args, services: GenerationServices) -> SpeculativeGenerator:
-    """The generator of ``--decoding`` (a registered decoding), every option
-    checked here, once; ``services``: what the task keeps for its generators
-    (generation writes nothing to the task itself)."""
-    decoding = get_decoding(task.cfg.decoding)
-    check_generation_options(args)
-    cfg = task.cfg
-    verifier, drafters = _split_models(task, models)
+def build_speculative_generator(task, models, options: SpeculativeOptions,
+                                services: GenerationServices) -> SpeculativeGenerator:
+    """The generator of ``options.decoding`` (a registered decoding) for the
+    models of ``--path``; ``options``: checked once, by the task
+    (:meth:`SpeculativeOptions.from_config`); ``services``: what the task
+    keeps for its generators (generation writes nothing to the task, and
+    reads only its dictionaries and loaded datasets)."""
+    decoding = get_decoding(options.decoding)
+    cfg = options
+    verifier, drafters = _split_models(options, models)
     acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
     check_strictness(decoding, acceptance)
-    temperature, unk_penalty = args.temperature, args.unkpen
-    backend = resolve_backend(str(cfg.specdec_backend), verifier, acceptance, temperature, unk_penalty)
-    built = decoding.build(DrafterContext(task, verifier, drafters, acceptance, backend, services))
+    backend = resolve_backend(cfg.backend, verifier, acceptance, cfg.temperature, cfg.unk_penalty,
+                              off=services.parts_off)
+    built = decoding.build(DrafterContext(task, options, verifier, drafters, acceptance, backend, services))
     most = built.drafter.max_block  # (DraftLengthPolicy, below, refuses a k below 1)
     if most is not None and built.block_size > most:
         raise ValueError(
@@ -349,17 +311,17 @@ def build_speculative_generator(task, models, args, services: GenerationServices
         )
     settings = DecodeSettings(
         block_size=built.block_size,
-        max_len_a=args.max_len_a,
-        max_len_b=args.max_len_b,
-        min_len=args.min_len,
-        normalize_scores=not args.unnormalized,
-        len_penalty=args.lenpen,
-        unk_penalty=unk_penalty,
-        temperature=temperature,
+        max_len_a=cfg.max_len_a,
+        max_len_b=cfg.max_len_b,
+        min_len=cfg.min_len,
+        normalize_scores=cfg.normalize_scores,
+        len_penalty=cfg.len_penalty,
+        unk_penalty=cfg.unk_penalty,
+        temperature=cfg.temperature,
         draft_policy=DraftLengthPolicy(
             built.block_size,
             adaptive=cfg.adaptive_draft,
-            min_confidence=min_confidence(cfg, built.min_confidence),
+            min_confidence=cfg.min_confidence_or(built.min_confidence),
             rows=draft_rows_rule(cfg.draft_max_rows, verifier, acceptance),
         ),
         tree_nodes=built.tree_nodes if cfg.draft_tree is None else cfg.draft_tree,
@@ -368,8 +330,7 @@ def build_speculative_generator(task, models, args, services: GenerationServices
                                      services.sentences)
     # the statistics file is opened (and an old one truncated) only now that
     # every option has been checked: a refused run leaves it as it was
-    generator.stats = SpecDecStats(cfg.specdec_stats, name=cfg.decoding,
-                                   append=services.stats_file_started(cfg.specdec_stats))
+    generator.stats = SpecDecStats(cfg.stats, name=cfg.decoding, append=services.stats_file_started(cfg.stats))
     tree = f", draft trees of {settings.tree_nodes} nodes" if settings.tree_nodes else ""
     logger.info(
         f"{cfg.decoding} decoding: block size {built.block_size}{tree}, acceptance {acceptance!r}, "

@@ -43,11 +43,10 @@ class FixedRows(RowsRule):
     """No row drafts while more than ``max_rows`` rows of the batch are
     unfinished (``--draft-max-rows N``): the loop then takes one verifier
     token per row and iteration, and drafting starts once enough rows have
-    finished (the tail of a batch)."""
+    finished (the tail of a batch).  ``max_rows`` >= 1 (the options refuse
+    less; 0 there is :class:`AllRows`)."""
 
     def __init__(self, max_rows: int):
-        if max_rows < 1:
-            raise ValueError(f"--draft-max-rows must be >= 1 (or 0 for no limit), got {max_rows}")
         self.max_rows = max_rows
 
     def drafts_at(self, rows: int, batch: int) -> bool:
@@ -199,14 +198,12 @@ class DraftLengthPolicy:
       cost more than the drafts save.
 
     None of them changes what strict verification outputs, only what is verified.
+    ``k`` >= 1 and ``min_confidence`` in [0, 1), as the options
+    (:class:`~fairseq_specdec.generation.options.SpeculativeOptions`) check them.
     """
 
     def __init__(self, k: int, adaptive: bool = False, min_confidence: float = 0.0, init: Optional[int] = None,
                  rows: Optional[RowsRule] = None):
-        if k < 1:
-            raise ValueError(f"--block-size must be >= 1, got {k}")
-        if not 0.0 <= min_confidence < 1.0:
-            raise ValueError(f"--draft-min-confidence must be in [0, 1), got {min_confidence}")
         self.k = k
         self.adaptive = adaptive
         self.min_confidence = min_confidence

@@ -3,8 +3,8 @@
 At batch 1 on a GPU, an iteration of the speculative loop launches its
 kernels one by one from Python: the drafter's pass, the verify pass, fairseq's
 masks, the running scores, acceptance.  With the verify pass alone in a graph
-(the backend's choice for a half-precision verifier) an iteration of ``specdec_vsd`` still cost 4.6 times a
-graphed greedy iteration on an H100 (docs/results/2026-11-24-b4cfa15-gpu-kit-h100.md).
+(the backend's choice for a half-precision verifier) an iteration of ``specdec_vsd`` still cost several
+times a graphed greedy iteration (the figures: docs/gpu.md).
 Here everything an iteration computes on the device before its one host read
 is captured once per shape and replayed:
 

@@ -42,14 +42,13 @@ that is likely rejected.
 """
 import heapq
 import logging
-import math
-import os
 import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .drafters import Drafter, PathDrafter, TreeDrafter, padded_drafts, row_tails
+from .options import NgramOptions
 from .tree import tree_from_paths
 from .ngram_index import (
     CONF_BITS, CONF_MAX, SplitSource, build_tables, context_keys_at as _context_keys, most_frequent as _most_frequent,
@@ -80,12 +79,11 @@ class NgramCorpus:
     ``sources`` / ``targets``: token id sequences of the corpus (targets end
     with EOS, as fairseq stores them); ``bos``: the token before each output
     (fairseq's EOS); ``skip``: source ids that never count for retrieval
-    (pad, EOS, BOS, unk)."""
+    (pad, EOS, BOS, unk).  ``order`` >= 1 (:class:`~.options.NgramOptions`
+    checks ``--ngram-order``)."""
 
     def __init__(self, sources: List[Sequence[int]], targets: List[Sequence[int]], order: int, bos: int,
                  skip: Sequence[int] = ()):
-        if order < 1:
-            raise ValueError(f"--ngram-order must be >= 1, got {order}")
         if len(sources) != len(targets):
             raise ValueError("the corpus has a different number of source and target sentences")
 
@@ -213,11 +211,12 @@ class NgramDrafter(Drafter, PathDrafter, TreeDrafter):
     host.  A draft stops before the token at which the product of its
     tokens' confidences would fall below ``min_confidence`` (0: drafts of k
     tokens wherever a context is known).  Drafts carry no log-probs (the
-    loop's ``--draft-min-confidence`` does not apply)."""
+    loop's ``--draft-min-confidence`` does not apply).  ``neighbours`` >= 0
+    and ``min_confidence`` in [0, 1), as :class:`~.options.NgramOptions`
+    checks them."""
 
     def __init__(self, corpus: NgramCorpus, neighbours: int, pad: int, eos: int,
                  min_confidence: float = NGRAM_MIN_CONFIDENCE):
-        check_options(corpus.order, neighbours, min_confidence)
         self.corpus = corpus
         self.neighbours = neighbours
         self.min_confidence = min_confidence
@@ -335,16 +334,6 @@ class NgramDrafter(Drafter, PathDrafter, TreeDrafter):
                 f"{self.neighbours} neighbours per sentence, drafts while confidence >= {self.min_confidence:g})")
 
 
-def check_options(order: int, neighbours: int, min_confidence: float) -> None:
-    """Refuse out-of-range ``--ngram-*`` options (before any corpus is read)."""
-    if order < 1:
-        raise ValueError(f"--ngram-order must be >= 1, got {order}")
-    if neighbours < 0:
-        raise ValueError(f"--ngram-neighbours must be >= 0, got {neighbours}")
-    if not 0.0 <= min_confidence < 1.0:
-        raise ValueError(f"--ngram-min-confidence must be in [0, 1), got {min_confidence}")
-
-
 def check_not_translated(task, split: str) -> None:
     """Refuse drafting from the split being translated (fairseq-generate's
     ``--gen-subset``, which it loads before building the generator; a split
@@ -364,21 +353,20 @@ def check_not_translated(task, split: str) -> None:
     )
 
 
-def load_ngram_corpus(task, split: str, order: int, cache: Optional[Dict[tuple, NgramCorpus]] = None) -> NgramCorpus:
-    """The :class:`NgramCorpus` of the task's binarized ``split`` (source and
-    target, the task's dictionaries), once per split and order in ``cache``
+def load_ngram_corpus(task, options: NgramOptions, cache: Optional[Dict[tuple, NgramCorpus]] = None) -> NgramCorpus:
+    """The :class:`NgramCorpus` of the binarized split ``options.split`` of
+    ``options.data_dir`` (source and target, the task's dictionaries), once
+    per split and order in ``cache``
     (the task's :attr:`~fairseq_specdec.generation.services.GenerationServices.ngram_corpora`;
     None: not kept): the split's saved index memory-mapped, built and saved
     first where there is none (:func:`.ngram_index.open_index`)."""
     cache = {} if cache is None else cache
+    split, order = options.split, options.order
     key = (split, order)
     if key in cache:
         return cache[key]
-    if order < 1:
-        raise ValueError(f"--ngram-order must be >= 1, got {order}")
     check_not_translated(task, split)
-    data_dir = task.cfg.data.split(os.pathsep)[0]
-    source = SplitSource(data_dir, split, task.cfg.source_lang, task.cfg.target_lang, task.source_dictionary,
+    source = SplitSource(options.data_dir, split, options.source_lang, options.target_lang, task.source_dictionary,
                          task.target_dictionary)
     started = time.perf_counter()
     directory, meta, arrays = open_index(source, order)

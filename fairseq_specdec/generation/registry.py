@@ -35,23 +35,22 @@ class DrafterContext:
     ``backend.drafting`` says what a drafter may compute natively);
     ``services``: the task's
     :class:`~fairseq_specdec.generation.services.GenerationServices` (where
-    loaded drafters and corpora are kept)."""
+    loaded drafters and corpora are kept); ``options``: every option, checked
+    (:class:`~fairseq_specdec.generation.options.SpeculativeOptions`);
+    ``task``: for its dictionaries (and loading checkpoints with it)."""
 
     task: object
+    options: object
     verifier: object
     drafters: List[object]
     acceptance: object
-    backend: object = None
-    services: object = None
-
-    @property
-    def cfg(self):
-        return self.task.cfg
+    backend: object
+    services: object
 
 
 #: --draft-min-confidence when neither the user nor the decoding gives one:
 #: it cuts most rejected drafts of weak drafters and costs little with good
-#: ones (docs/results/2026-11-23-c17a224-specdec-vsd-drafter.md)
+#: ones (chosen by measurement: docs/architecture.md, Draft length)
 DEFAULT_MIN_CONFIDENCE = 0.2
 
 

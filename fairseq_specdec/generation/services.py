@@ -8,7 +8,7 @@ owns and passes to :func:`~fairseq_specdec.generation.build.build_speculative_ge
 """
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Set
+from typing import Dict, FrozenSet, Optional, Set
 
 from .stats import SentenceCounter
 
@@ -20,12 +20,17 @@ class GenerationServices:
     opened n-gram corpora by ``(split, order)``; ``sentences``: sentences the
     non-training batch iterators handed out, and those decoded (the
     statistics line is logged when they meet); ``stats_files``: the real
-    paths of the ``--specdec-stats`` files this task's generators started."""
+    paths of the ``--specdec-stats`` files this task's generators started;
+    ``parts_off``: native parts (:data:`fairseq_specdec.kernels.PARTS`) the
+    backend of this task's generators must not use: none, unless the
+    benchmark measures what a part gains (its ``FAIRSEQ_SPECDEC_OFF``
+    rows)."""
 
     drafters: Dict[tuple, object] = field(default_factory=dict)
     ngram_corpora: Dict[tuple, object] = field(default_factory=dict)
     sentences: SentenceCounter = field(default_factory=SentenceCounter)
     stats_files: Set[str] = field(default_factory=set)
+    parts_off: FrozenSet[str] = frozenset()
 
     def stats_file_started(self, path: Optional[str]) -> bool:
         """Whether an earlier generator already started the

@@ -115,8 +115,6 @@ class SpeculativeGenerator:
         options and the draft policy; ``stats``: where per-sentence
         statistics go; ``progress``: the task's sentence counter (the
         statistics line is logged when every sentence is decoded)."""
-        if settings.temperature <= 0:
-            raise ValueError("--temperature must be greater than 0")
         if settings.temperature != backend.verifier.temperature:
             raise ValueError(f"the backend's verify pass applies temperature {backend.verifier.temperature}, "
                              f"the settings say {settings.temperature}")
@@ -129,8 +127,6 @@ class SpeculativeGenerator:
         self.drafter = drafter
         #: nodes per draft tree (0: chains)
         self.tree_nodes = settings.tree_nodes
-        if self.tree_nodes < 0:
-            raise ValueError(f"--draft-tree must be >= 0 (0 = chains), got {self.tree_nodes}")
         if self.tree_nodes and not isinstance(drafter, TreeDrafter):
             raise ValueError(f"--draft-tree {self.tree_nodes}: the drafter ({drafter.describe()}) drafts chains only; "
                              "drop --draft-tree")

@@ -10,21 +10,17 @@ chose the native path; models never import it.  The extension is optional:
 without it (no compiler at install, a CPU without AVX2/FMA) every decoding
 runs on torch's operations.
 
-**Parts, for benchmarking only.**  ``FAIRSEQ_SPECDEC_OFF`` (comma-separated
-names of :data:`PARTS`) switches single native parts off where the backend
-resolves, so that the benchmark can measure what each one gains
-(docs/benchmarking.md); decoding never needs it.
+**Parts.**  :data:`PARTS` names the native parts the backend can be told
+not to use (``resolve_backend(..., off=...)``), so that the benchmark can
+measure what each one gains (its ``FAIRSEQ_SPECDEC_OFF`` rows:
+docs/benchmarking.md); decoding never needs it.
 """
-import os
-from typing import FrozenSet, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-#: the environment variable that switches native parts off (benchmarking only)
-OFF_ENV = "FAIRSEQ_SPECDEC_OFF"
-
-#: the native parts :data:`OFF_ENV` can switch off, and what each computes
+#: the native parts a backend can be told not to use, and what each computes
 PARTS = {
     "products": "the verify pass's products through the row-blocked kernel (off: torch's products, and no "
                 "other part of the verify pass below)",
@@ -37,17 +33,6 @@ PARTS = {
     "graphs": "on a CUDA device: the verify pass with static shapes replayed as CUDA graphs",
     "iteration": "on a CUDA device: whole iterations of a batch of one sentence as one CUDA graph",
 }
-
-
-def parts_off(value: Optional[str] = None) -> FrozenSet[str]:
-    """The parts :data:`OFF_ENV` switches off (``value``: its text; default:
-    the environment's); an unknown name is refused, naming the variable."""
-    text = os.environ.get(OFF_ENV, "") if value is None else value
-    names = frozenset(n.strip() for n in text.split(",") if n.strip())
-    unknown = sorted(names - set(PARTS))
-    if unknown:
-        raise ValueError(f"{OFF_ENV}={text}: no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
-    return names
 
 
 try:

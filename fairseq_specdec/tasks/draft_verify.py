@@ -19,9 +19,9 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from ..generation.acceptance import VERIFY_SCORES
-from ..generation.backend import BACKENDS
 from ..generation.build import DRAFT_MAX_ROWS_CPU, build_speculative_generator
 from ..generation.ngram import NGRAM_MIN_CONFIDENCE
+from ..generation.options import BACKENDS, SPECULATIVE_CONFIG, SpeculativeOptions, option_name
 from ..generation.registry import AUTOREGRESSIVE, DEFAULT_MIN_CONFIDENCE, decoding_help, get_decoding
 from ..generation.services import GenerationServices
 from ..models.init_from_verifier import init_blockwise_from_verifier, init_drafter_from_verifier
@@ -273,14 +273,11 @@ class DraftVerifyTask(TranslationTask):
             return super().build_generator(
                 models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn
             )
-        return build_speculative_generator(self, models, args, self.generation_services)
+        options = SpeculativeOptions.from_config(self.cfg, args)
+        return build_speculative_generator(self, models, options, self.generation_services)
 
     #: the options that only speculative decodings read (their defaults: DraftVerifyConfig's)
-    SPECULATIVE_OPTIONS = (
-        "drafter_path", "verify_beta", "verify_tau", "verify_score", "adaptive_draft", "draft_min_confidence",
-        "draft_max_rows", "draft_tree", "block_size", "specdec_backend", "specdec_stats", "ngram_split",
-        "ngram_order", "ngram_neighbours", "ngram_min_confidence",
-    )
+    SPECULATIVE_OPTIONS = SPECULATIVE_CONFIG
 
     def check_no_speculative_options(self) -> None:
         """Refuse options that fairseq's own decoding would silently ignore."""
@@ -288,9 +285,8 @@ class DraftVerifyTask(TranslationTask):
         for name in self.SPECULATIVE_OPTIONS:
             value, default = getattr(self.cfg, name), defaults[name]
             if value != default:
-                option = "--" + name.replace("_", "-")
                 raise ValueError(
-                    f"{option} {value} applies to speculative decodings only, but --decoding is "
+                    f"{option_name(name)} {value} applies to speculative decodings only, but --decoding is "
                     f"'{AUTOREGRESSIVE}': add --decoding draft-verify (or another speculative "
                     "decoding), or drop the option"
                 )

@@ -5,8 +5,8 @@ same product through a layout of ``W`` made once: a contiguous transpose for
 torch's ``addmm``, or the row-blocked kernel's packed panels
 (:mod:`fairseq_specdec.kernels.rowgemm`).  A speculative iteration runs its
 linears over a few rows, so the drafters and the verify pass compute through
-such layouts (the measurements are in docs/verify-kernels.md and
-docs/results/).  Only the exactness tests are relied on for their values.
+such layouts (the measurements: docs/verify-kernels.md).  Only the
+exactness tests are relied on for their values.
 
 **When a cached transpose is trusted.**  Optimizers update parameters through
 ``p.data`` in place, which changes neither the tensor's storage nor its
