@@ -51,8 +51,10 @@ def test_stock_checkpoint_autoregressive_round_trip(toy_bin, ar_checkpoint, base
 # ---- 4. lost-sentence guard ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("split", ["test", "test1", "test2"])
-@pytest.mark.parametrize("bsz", [1, 7, 64])
+# every split at every batch size, except the 1,000 sentences of test2 one by
+# one (1.5 minutes; test and test1 cover batch 1, where stock fairseq-fixed loses one)
+@pytest.mark.parametrize("split,bsz", [(s, b) for s in ("test", "test1", "test2") for b in (1, 7, 64)
+                                       if (s, b) != ("test2", 1)])
 def test_no_sentence_lost(toy_bin, ar_checkpoint, split, bsz):
     n = H.SPLIT_SIZES[split]
     proc = H.generate(toy_bin, ar_checkpoint, "--decoding", "autoregressive", "--max-len-b", "30",

@@ -344,12 +344,14 @@ def tok_of(out):
 
 @pytest.fixture(scope="module")
 def beam1_cli(toy_bin, ar_checkpoint):
+    """fairseq-generate --beam 1's hypotheses of a verifier (default: the
+    toy Transformer) at a batch size, run once per module."""
     cache = {}
 
-    def get(bsz):
-        if bsz not in cache:
-            cache[bsz] = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify", batch_size=bsz).stdout)
-        return cache[bsz]
+    def get(bsz, path=ar_checkpoint):
+        if (path, bsz) not in cache:
+            cache[path, bsz] = H.parse_generate(H.generate(toy_bin, path, task="draft_verify", batch_size=bsz).stdout)
+        return cache[path, bsz]
 
     return get
 
@@ -366,9 +368,7 @@ def test_every_tree_drafter_is_exact_through_fairseq_generate(toy_bin, ar_checkp
     extra = ["--drafter-path", vsd_checkpoint] if "draft-verify" in decoding else []
     if "ngram" in decoding:  # the toy corpus's continuations are seldom confident: draft them anyway
         extra += ["--ngram-min-confidence", "0"]
-    ref = beam1_cli(bsz)
-    if decoding == "blockwise":  # its own verifier: compare with its own --beam 1
-        ref = H.parse_generate(H.generate(toy_bin, path, task="draft_verify", batch_size=bsz).stdout)
+    ref = beam1_cli(bsz, path)  # the blockwise heads' own verifier: its own --beam 1
     proc = H.generate(toy_bin, path, "--decoding", decoding, "--draft-tree", "6", "--draft-max-rows", "0", *extra,
                       *H.BACKEND_ARGS[backend], task="draft_verify", batch_size=bsz)
     H.assert_same_hypotheses(ref, H.parse_generate(proc.stdout))

@@ -263,9 +263,10 @@ def probe_verifiers(toy_bin, tmp_path_factory):
 @pytest.mark.parametrize("backend", list(H.BACKEND_ARGS))
 @pytest.mark.parametrize("variant", list(PROBE_VARIANTS))
 def test_probe_every_architecture_decodes_as_stock_beam1(toy_bin, probe_verifiers, variant, backend):
-    """``--decoding loop-greedy``, ``--decoding ngram`` (drafting from the
-    train split; chains, and trees of 5 nodes in every row of the batch) and
-    ``--decoding self-draft`` (the architecture's own int8 copy drafting)
+    """``--decoding loop-greedy`` (passes of one token), ``--decoding ngram``
+    (drafting from the train split, trees of 5 nodes in every row of the
+    batch) and ``--decoding self-draft`` (the architecture's own int8 copy
+    drafting chains)
     through the generator fairseq-generate builds, at batch 1
     and 8: every sentence's tokens are fairseq's ``--beam 1``'s.  (Scores
     may differ in the last digits: see docs/verify-kernels.md.)"""
@@ -274,7 +275,7 @@ def test_probe_every_architecture_decodes_as_stock_beam1(toy_bin, probe_verifier
     tree = ("--draft-tree", "5", "--ngram-min-confidence", "0", "--draft-max-rows", "0")
     # the int8 copy of each architecture drafts (every row, no confidence cut)
     self_draft = ("--draft-max-rows", "0", "--draft-min-confidence", "0")
-    for decoding, extra in (("loop-greedy", ()), ("ngram", ()), ("ngram", tree), ("self-draft", self_draft)):
+    for decoding, extra in (("loop-greedy", ()), ("ngram", tree), ("self-draft", self_draft)):
         task, gen = generator(toy_bin, model, "--task", "draft_verify", "--decoding", decoding, *extra,
                               *H.BACKEND_ARGS[backend])
         assert type(gen).__name__ == "SpeculativeGenerator"
