@@ -85,26 +85,26 @@ def _nat_drafter(ctx: DrafterContext) -> BuiltDrafter:
 def _model_drafter(ctx: DrafterContext):
     """The drafter checkpoint's drafter, its default k and where it came from."""
     task, verifier, drafters, acceptance = ctx.task, ctx.verifier, ctx.drafters, ctx.acceptance
-    cfg = ctx.options
-    if cfg.drafter_path and drafters:
+    opts = ctx.options
+    if opts.drafter_path and drafters:
         raise ValueError("give the drafter either with --drafter-path or in --path, not both")
     if len(drafters) > 1:
         raise ValueError(f"--path holds {len(drafters)} drafters; give one")
     if drafters:
         model, source = drafters[0], "the second model in --path"
-    elif cfg.drafter_path:
-        model, source = load_drafter(task, cfg.drafter_path, verifier, ctx.services.drafters), f"--drafter-path {cfg.drafter_path}"
+    elif opts.drafter_path:
+        model, source = load_drafter(task, opts.drafter_path, verifier, ctx.services.drafters), f"--drafter-path {opts.drafter_path}"
     else:
         raise ValueError(
-            f"--decoding {cfg.decoding} needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
+            f"--decoding {opts.decoding} needs a drafter: --drafter-path FILE or --path verifier.pt:drafter.pt"
         )
     # drafters built in-process never pass through load_state_dict's check
     check_same_dictionary(
         model.dictionary_fingerprint, dictionary_fingerprint(task.target_dictionary), f"the drafter ({source})"
     )
-    need_scores = acceptance.uses_draft_scores or cfg.min_confidence_or(DEFAULT_MIN_CONFIDENCE) > 0
+    need_scores = acceptance.uses_draft_scores or opts.min_confidence_or(DEFAULT_MIN_CONFIDENCE) > 0
     drafter = drafter_for_model(model, verifier, need_scores, source, ctx.backend.drafting)
-    block_size = cfg.block_size_or(drafter.default_block(int(model.train_block_size)))
+    block_size = opts.block_size_or(drafter.default_block(int(model.train_block_size)))
     return drafter, block_size, source
 
 
@@ -296,11 +296,10 @@ def build_speculative_generator(task, models, options: SpeculativeOptions,
     keeps for its generators (generation writes nothing to the task, and
     reads only its dictionaries and loaded datasets)."""
     decoding = get_decoding(options.decoding)
-    cfg = options
     verifier, drafters = _split_models(options, models)
-    acceptance = build_acceptance(cfg.verify_beta, cfg.verify_tau, cfg.verify_score)
+    acceptance = build_acceptance(options.verify_beta, options.verify_tau, options.verify_score)
     check_strictness(decoding, acceptance)
-    backend = resolve_backend(cfg.backend, verifier, acceptance, cfg.temperature, cfg.unk_penalty,
+    backend = resolve_backend(options.backend, verifier, acceptance, options.temperature, options.unk_penalty,
                               off=services.parts_off)
     built = decoding.build(DrafterContext(task, options, verifier, drafters, acceptance, backend, services))
     most = built.drafter.max_block  # (DraftLengthPolicy, below, refuses a k below 1)
@@ -311,29 +310,29 @@ def build_speculative_generator(task, models, options: SpeculativeOptions,
         )
     settings = DecodeSettings(
         block_size=built.block_size,
-        max_len_a=cfg.max_len_a,
-        max_len_b=cfg.max_len_b,
-        min_len=cfg.min_len,
-        normalize_scores=cfg.normalize_scores,
-        len_penalty=cfg.len_penalty,
-        unk_penalty=cfg.unk_penalty,
-        temperature=cfg.temperature,
+        max_len_a=options.max_len_a,
+        max_len_b=options.max_len_b,
+        min_len=options.min_len,
+        normalize_scores=options.normalize_scores,
+        len_penalty=options.len_penalty,
+        unk_penalty=options.unk_penalty,
+        temperature=options.temperature,
         draft_policy=DraftLengthPolicy(
             built.block_size,
-            adaptive=cfg.adaptive_draft,
-            min_confidence=cfg.min_confidence_or(built.min_confidence),
-            rows=draft_rows_rule(cfg.draft_max_rows, verifier, acceptance),
+            adaptive=options.adaptive_draft,
+            min_confidence=options.min_confidence_or(built.min_confidence),
+            rows=draft_rows_rule(options.draft_max_rows, verifier, acceptance),
         ),
-        tree_nodes=built.tree_nodes if cfg.draft_tree is None else cfg.draft_tree,
+        tree_nodes=built.tree_nodes if options.draft_tree is None else options.draft_tree,
     )
     generator = SpeculativeGenerator(backend, built.drafter, acceptance, task.target_dictionary, settings, None,
                                      services.sentences)
     # the statistics file is opened (and an old one truncated) only now that
     # every option has been checked: a refused run leaves it as it was
-    generator.stats = SpecDecStats(cfg.stats, name=cfg.decoding, append=services.stats_file_started(cfg.stats))
+    generator.stats = SpecDecStats(options.stats, name=options.decoding, append=services.stats_file_started(options.stats))
     tree = f", draft trees of {settings.tree_nodes} nodes" if settings.tree_nodes else ""
     logger.info(
-        f"{cfg.decoding} decoding: block size {built.block_size}{tree}, acceptance {acceptance!r}, "
+        f"{options.decoding} decoding: block size {built.block_size}{tree}, acceptance {acceptance!r}, "
         f"drafter {built.description}; {backend.describe()}"
     )
     return generator
