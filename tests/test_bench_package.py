@@ -228,8 +228,18 @@ def test_profiler_fails_loudly_on_a_missing_component():
 
     verifier = type("CachedVerifier", (), dict(encode=fn, forward=fn, logits=fn, reorder=fn,
                                                timed_parts=VerifyPass.timed_parts))()
-    drafter = SimpleNamespace(start_batch=lambda: None, propose=lambda: None)
-    drafter.timed_parts = lambda k: iter([(drafter, "start_batch", "drafter start"), (drafter, "propose", "pass")])
+    from fairseq_specdec.generation.drafters import TimedParts
+
+    class Parts(TimedParts):  # a drafter that names its parts
+        start_batch = propose = fn
+
+        def timed_parts(self, k):
+            return iter([(self, "start_batch", "drafter start"), (self, "propose", "pass")])
+
+    drafter = Parts()
+    assert [name for _, _, name, *_ in profiling.drafter_parts(drafter, 4)] == ["drafter start", "pass"]
+    plain = SimpleNamespace(start_batch=fn, propose=fn)  # one that does not: the contract's calls
+    assert [part[1] for part in profiling.drafter_parts(plain, 4)] == ["start_batch", "propose", "update"]
     generator = SimpleNamespace(block_size=4, verifier=verifier, drafter=drafter)
     timers = profiling.Timers()
     with pytest.raises(profiling.MissingComponent, match="CachedVerifier has no method 'rollback'"):

@@ -22,7 +22,7 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
         "--rows", "beam5,beam1,strict,relaxed,blockwise", "--relaxed", "3:1", "--batch-sizes", "1,4",
         "--relaxed-batch-sizes", "1", "--jobs", "2",
         "--raw-ref", raw_ref, "--detok-lang", "en", "--warmup", "5", "--out", out,
-        "--sweeps", "--sweep-batch-sizes", "1,4", "--sweep-ks", "2,4", "--sweep-betas", "1,3", "--sweep-taus", "0,1",
+        "--sweeps", "--sweep-batch-sizes", "1,4", "--sweep-ks", "2,4", "--sweep-betas", "1,3", "--sweep-taus", "1",
     ])
     results = json.loads((out / "results.json").read_text())
     rows = {r["name"]: r for r in results["rows"]}

@@ -172,7 +172,8 @@ DRAFTER_HOMES = ("generation/drafters/", "generation/ngram.py", "generation/buil
 def test_only_the_registry_names_concrete_drafters():
     """bench/ and the loop know drafters by the Drafter contract only, so a
     decoding registered by another plugin is benchmarked and profiled by its
-    own parts (Drafter.timed_parts), never as one of the built-in ones."""
+    own parts (the TimedParts capability, else the contract's calls), never as
+    one of the built-in ones."""
     import fairseq_specdec  # noqa: F401
     from fairseq_specdec.generation.drafters import Drafter
 
@@ -201,14 +202,16 @@ def test_the_drafter_contract_is_declared():
     is declared on Drafter or on the capability it belongs to; the ones a
     drafter (or a capability) must give are abstract."""
     import fairseq_specdec  # noqa: F401
-    from fairseq_specdec.generation.drafters import Drafter, PathDrafter, StaticDrafter, TreeDrafter
+    from fairseq_specdec.generation.drafters import Drafter, PathDrafter, StaticDrafter, TimedParts, TreeDrafter
 
-    for name in ("describe", "start_batch", "propose", "update", "reorder", "default_block", "timed_parts"):
+    for name in ("describe", "start_batch", "propose", "update", "reorder", "default_block"):
         assert callable(getattr(Drafter, name, None)), name
     assert Drafter.__abstractmethods__ == {"describe", "start_batch", "propose", "reorder"}
     assert TreeDrafter.__abstractmethods__ == {"propose_tree"}
     assert PathDrafter.__abstractmethods__ == {"tree_paths"}
     assert StaticDrafter.__abstractmethods__ == {"static_inputs", "static_key"}
+    assert TimedParts.__abstractmethods__ == {"timed_parts"}
+    assert not hasattr(Drafter, "timed_parts")  # profiling is a capability, not the contract
     with pytest.raises(TypeError):
         type("Half", (Drafter,), {"propose": lambda self, state, k: None})()
     with pytest.raises(TypeError):  # a tree drafter without its trees

@@ -57,6 +57,14 @@ def test_an_option_out_of_range_is_refused_by_name_before_any_model_is_read(toy_
         task.build_generator([], cfg.generation)
 
 
+def test_a_backend_that_is_none_is_refused_by_name(toy_bin):
+    """fairseq's parser already refuses it on the command line; from Python the options do."""
+    cfg = parsed(toy_bin, "--decoding", "self-draft")
+    options = SpeculativeOptions.from_config(cfg.task, cfg.generation)
+    with pytest.raises(ValueError, match="--specdec-backend must be one of auto, reference, got 'fast'"):
+        dataclasses.replace(options, backend="fast")
+
+
 def test_every_speculative_option_of_the_config_reaches_the_options(toy_bin):
     """Changing any config field that only speculative decodings read
     changes the options object: none is dropped on the way."""

@@ -42,6 +42,7 @@ import sys
 import time
 from collections import defaultdict
 
+from ..generation.drafters import TimedParts, TreeDrafter
 from ..utils.projection import WeightsWatch
 from .loading import load_decoder
 from .timing import fairseq_decode, timed_batches, warm_up
@@ -135,15 +136,31 @@ def greedy_components(generator):
     yield generator.model.models[0].decoder, "output_layer", f"{SUB}vocabulary projection (1 row)"
 
 
+def drafter_parts(drafter, k: int):
+    """(object, method, name[, required]) of a drafter's calls to time: what
+    it declares (:class:`~fairseq_specdec.generation.drafters.TimedParts`),
+    else the contract's: its start of batch, its pass (its tree where it
+    drafts trees) and its feedback."""
+    if isinstance(drafter, TimedParts):
+        yield from drafter.timed_parts(k)
+        return
+    yield drafter, "start_batch", "drafter start of batch"
+    trees = isinstance(drafter, TreeDrafter)
+    yield drafter, "propose", f"drafter pass (up to {k} drafts)", not trees
+    if trees:
+        yield drafter, "propose_tree", f"drafter tree (up to {k} deep)", False
+    yield drafter, "update", "drafter feedback", False
+
+
 def draft_verify_components(generator):
     """(object, method, name[, required]) of the speculative loop's parts:
-    what the drafter and the verify pass each declare they are made of
-    (``Drafter.timed_parts``, ``VerifyPass.timed_parts``), so that a decoding
-    registered by another plugin is profiled by its own parts."""
+    what the drafter and the verify pass are made of (:func:`drafter_parts`,
+    ``VerifyPass.timed_parts``), so that a decoding registered by another
+    plugin is profiled by its own parts."""
     k = generator.block_size
     verifier = list(generator.verifier.timed_parts(k))
     yield verifier[0]  # the encoder first: it runs before the drafter's start of batch
-    yield from generator.drafter.timed_parts(k)
+    yield from drafter_parts(generator.drafter, k)
     yield from verifier[1:]
 
 

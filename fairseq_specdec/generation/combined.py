@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .drafters import Drafter, PathDrafter, TreeDrafter
+from .drafters import Drafter, PathDrafter, TimedParts, TreeDrafter
 from .state import Feedback
 from .tree import tree_from_paths, tree_paths
 
@@ -30,7 +30,7 @@ from .tree import tree_from_paths, tree_paths
 COMBINED_ENOUGH = 1.0
 
 
-class CombinedDrafter(Drafter, TreeDrafter):
+class CombinedDrafter(Drafter, TreeDrafter, TimedParts):
     """``first``: a :class:`~fairseq_specdec.generation.drafters.PathDrafter`
     (per row, ``(tokens, confidence)`` paths); ``second``: a
     :class:`~fairseq_specdec.generation.drafters.TreeDrafter` whose tree's

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..kernels import rowgemm
 from ..utils.int8 import int8_unavailable_reason
-from .drafters import Drafter
+from .drafters import Drafter, TimedParts
 from .lean_verifier import LeanVerifier, lean_unsupported_reason
 
 
@@ -103,7 +103,7 @@ class _Rows:
         return len(self.lengths_host)
 
 
-class SelfDrafter(Drafter):
+class SelfDrafter(Drafter, TimedParts):
     """Drafts with the verifier's int8 copy (see the module docstring)."""
 
     def __init__(self, model, pad: int, eos: int, min_confidence: float = 0.0, native: bool = True):

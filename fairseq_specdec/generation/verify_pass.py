@@ -111,7 +111,7 @@ class VerifyPass(ABC):
 
     def timed_parts(self, k: int):
         """``(object, method name, label[, required])`` of the calls the
-        profiler times for this verify pass (see ``Drafter.timed_parts``)."""
+        profiler times for this verify pass (see ``TimedParts.timed_parts``)."""
         yield self, "encode", "verifier encoder"
         yield self, "forward", f"verifier pass (up to {k + 1} tokens)"
         yield self, "logits", f"of which: verifier vocabulary projection (up to {k + 1} rows)"

@@ -38,7 +38,12 @@ base as well, never by an attribute the loop probes:
   so that the loop captures one graph per key
   (:mod:`~fairseq_specdec.generation.iteration_graphs`).  Its ``propose``
   then reads only those buffers and the state's ``last_tokens()`` and
-  ``lengths``, and reads nothing back to the host.
+  ``lengths``, and reads nothing back to the host;
+* :class:`TimedParts`: ``timed_parts(k)``, the calls the profiler
+  (``scripts/profile-draft-verify.py``) times for it, its inner passes
+  included; for a drafter without it the profiler times the contract's
+  calls.
+
 A drafter checkpoint (a
 :class:`~fairseq_specdec.models.protocol.DrafterModel`) becomes a drafter
 through :func:`drafter_for_model`.
@@ -73,8 +78,7 @@ NO_KERNELS = DraftKernels()
 class Drafter(ABC):
     """The drafter contract (see the module docstring): what the loop, the
     generator's builder and the benchmark call on every drafter.  The four
-    calls of the loop, ``describe`` and ``timed_parts`` are declared here;
-    a drafter must give ``start_batch``, ``propose``, ``reorder`` and
+    calls of the loop and ``describe`` are declared here; a drafter must give ``start_batch``, ``propose``, ``reorder`` and
     ``describe``, and may override the rest."""
 
     #: largest prefix + block length the drafter accepts (None: unlimited)
@@ -107,17 +111,6 @@ class Drafter(ABC):
     def reorder(self, order: Tensor, order_host: List[int]) -> None:
         """Keep only the rows ``order`` (a device tensor, and as host ints)."""
 
-    def timed_parts(self, k: int) -> Iterator[tuple]:
-        """``(object, method name, label[, required])`` of the calls the
-        profiler times for this drafter (``scripts/profile-draft-verify.py``):
-        by default its start of batch, its pass and its feedback; a label
-        starting "of which: " is a part of the rows above it."""
-        yield self, "start_batch", "drafter start of batch"
-        trees = isinstance(self, TreeDrafter)
-        yield self, "propose", f"drafter pass (up to {k} drafts)", not trees
-        if trees:
-            yield self, "propose_tree", f"drafter tree (up to {k} deep)", False
-        yield self, "update", "drafter feedback", False
 
 
 class TreeDrafter(ABC):
@@ -160,6 +153,20 @@ class PathDrafter(ABC):
         """Per row, ``(tokens, confidence)`` paths at most ``k`` deep, at
         most ``nodes`` of them, the most confident first: the confidence is
         the drafter's estimate that the verifier accepts the whole path."""
+
+
+class TimedParts(ABC):
+    """A capability a drafter declares beside :class:`Drafter`: it names
+    the calls the profiler (``scripts/profile-draft-verify.py``) times for
+    it, its inner passes included.  A drafter without it is profiled by the
+    contract's calls (its start of batch, its pass, its feedback)."""
+
+    @abstractmethod
+    def timed_parts(self, k: int) -> Iterator[tuple]:
+        """``(object, method name, label[, required])`` of the calls to
+        time, for drafts of up to ``k`` tokens; a label starting "of which: "
+        is a part of the rows above it; ``required`` False: a call the
+        decoding may never make."""
 
 
 def row_tails(state, size: int, first: int = 0) -> List[List[int]]:

@@ -6,11 +6,11 @@ import torch
 from ...models.protocol import BlockwiseHeadsModel
 from ...utils.dictionary import joined_dictionaries
 from ..tree import chain_tree, tree_from_candidates
-from .base import NO_KERNELS, DraftKernels, Drafter, TreeDrafter
+from .base import NO_KERNELS, DraftKernels, Drafter, TimedParts, TreeDrafter
 from .shortlist import TREE_CANDIDATES, ShortlistProjection
 
 
-class BlockwiseHeadsDrafter(Drafter, TreeDrafter):
+class BlockwiseHeadsDrafter(Drafter, TreeDrafter, TimedParts):
     """Blockwise parallel decoding (Stern et al. 2018): the k-1 heads of a
     ``blockwise_transformer`` read the verifier's state at the last accepted
     draft slot of the previous pass, whose base prediction is the token the

@@ -2,7 +2,7 @@
 import torch
 
 from ...models.protocol import SourceReadingDrafterModel
-from .base import Drafter
+from .base import Drafter, TimedParts
 
 
 def same_encoder(drafter, verifier) -> bool:
@@ -27,7 +27,7 @@ def same_encoder(drafter, verifier) -> bool:
     )
 
 
-class NATBlockDrafter(Drafter):
+class NATBlockDrafter(Drafter, TimedParts):
     """The Spec-Drafter (``specdec_nat``): one non-autoregressive pass over
     ``prefix + k masks``.  Its encoder runs once per batch, and not at all when
     it is identical to the verifier's (trained with ``--freeze-encoder``):

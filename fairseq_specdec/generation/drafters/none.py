@@ -1,8 +1,8 @@
 """``loop-greedy``'s drafter: none (one verifier token per iteration)."""
-from .base import Drafter, StaticDrafter
+from .base import Drafter, StaticDrafter, TimedParts
 
 
-class NoDrafter(Drafter, StaticDrafter):
+class NoDrafter(Drafter, StaticDrafter, TimedParts):
     """Never drafts: the loop then takes one verifier token per iteration
     (greedy decoding through the speculative loop)."""
 

@@ -7,11 +7,11 @@ from ...utils.dictionary import joined_dictionaries
 from ...utils.projection import WeightsWatch
 from ..tree import tree_from_candidates
 from .vsd_native import NativeBlockPass, native_block_pass_reason
-from .base import NO_KERNELS, DraftKernels, Drafter, StaticDrafter, TreeDrafter
+from .base import NO_KERNELS, DraftKernels, Drafter, StaticDrafter, TimedParts, TreeDrafter
 from .shortlist import TREE_CANDIDATES, ShortlistProjection
 
 
-class VerifierStateDrafter(Drafter, TreeDrafter, StaticDrafter):
+class VerifierStateDrafter(Drafter, TreeDrafter, StaticDrafter, TimedParts):
     """The ``specdec_vsd`` drafter: drafts k tokens from the verifier's own
     work (its encoder output, and the final decoder state that predicted each
     row's newest token, handed over in every :class:`Feedback`), in one pass
