@@ -15,13 +15,9 @@ OFF_ENV = "FAIRSEQ_SPECDEC_OFF"
 def parts_off(text: str) -> FrozenSet[str]:
     """The native parts of a row's ``FAIRSEQ_SPECDEC_OFF=text``; an unknown
     name is refused, naming the variable."""
-    from fairseq_specdec.kernels import PARTS
+    from fairseq_specdec.kernels import check_parts
 
-    names = frozenset(n.strip() for n in text.split(",") if n.strip())
-    unknown = sorted(names - set(PARTS))
-    if unknown:
-        raise ValueError(f"{OFF_ENV}={text}: no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
-    return names
+    return check_parts((n.strip() for n in text.split(",") if n.strip()), where=f"{OFF_ENV}={text}: ")
 
 
 def split_environment(extra: List[str]) -> Tuple[Dict[str, str], List[str]]:

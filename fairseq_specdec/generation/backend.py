@@ -40,7 +40,7 @@ from typing import FrozenSet, Optional, Tuple
 
 import torch
 
-from ..kernels import PARTS, applies_to, rowgemm, unavailable_reason
+from ..kernels import applies_to, check_parts, rowgemm, unavailable_reason
 from .accept_step import AcceptanceStep, FairseqRules, NativeStep, TensorStep, native_step_unavailable
 from .drafters import NO_KERNELS, Drafter, DraftKernels, StaticDrafter
 from .iteration import EagerRunner
@@ -133,10 +133,7 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     refused.  ``static`` (tests and tools
     only): ``static`` runs the static-shape pass and whole iterations
     eagerly on any device, ``on`` / ``iteration`` with CUDA graphs."""
-    off = frozenset(off)
-    unknown = sorted(off - set(PARTS))
-    if unknown:
-        raise ValueError(f"no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    off = check_parts(off)
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype
     if name == "reference":

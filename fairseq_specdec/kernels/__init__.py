@@ -15,7 +15,7 @@ not to use (``resolve_backend(..., off=...)``), so that the benchmark can
 measure what each one gains (its ``FAIRSEQ_SPECDEC_OFF`` rows:
 docs/benchmarking.md); decoding never needs it.
 """
-from typing import Optional
+from typing import FrozenSet, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -33,6 +33,16 @@ PARTS = {
     "graphs": "on a CUDA device: the verify pass with static shapes replayed as CUDA graphs",
     "iteration": "on a CUDA device: whole iterations of a batch of one sentence as one CUDA graph",
 }
+
+
+def check_parts(names: Iterable[str], where: str = "") -> FrozenSet[str]:
+    """``names`` as a set of :data:`PARTS`; an unknown name is refused
+    (``where``: what named them, first in the message)."""
+    names = frozenset(names)
+    unknown = sorted(names - set(PARTS))
+    if unknown:
+        raise ValueError(f"{where}no native part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    return names
 
 
 try:
