@@ -57,7 +57,8 @@ if os.environ.get("FAIRSEQ_SPECDEC_NO_EXT", "") not in ("1", "true", "yes"):
         ext_modules = [
             CppExtension(
                 "fairseq_specdec.kernels._native",
-                ["fairseq_specdec/kernels/csrc/rowgemm.cpp", "fairseq_specdec/kernels/csrc/step.cpp"],
+                ["fairseq_specdec/kernels/csrc/rowgemm.cpp", "fairseq_specdec/kernels/csrc/rowgemm_avx512.cpp",
+                 "fairseq_specdec/kernels/csrc/rowgemm_avx512_emulated.cpp", "fairseq_specdec/kernels/csrc/step.cpp"],
                 extra_compile_args=["-O3"],
             )
         ]

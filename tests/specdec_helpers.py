@@ -1,4 +1,5 @@
 """Shared helpers for the fairseq-specdec tests (imported by conftest and tests)."""
+import contextlib
 import dataclasses
 import json
 import os
@@ -296,6 +297,34 @@ def skip_unless_gemm(gemm):
 
     if not gemm_available(gemm):
         pytest.skip(f"the {gemm} products cannot run here")
+
+
+#: the native products' instruction sets the tests run them on: ``avx512``
+#: where the CPU has AVX-512F (skipped elsewhere), its emulation on AVX2
+#: everywhere (the same blocks' logic), and the default ``avx2``
+ISAS = ["avx2", "avx512", "avx512-emulated"]
+
+
+@contextlib.contextmanager
+def products_isa(name):
+    """The native products on instruction set ``name`` inside the block, the
+    import-time choice restored after it; skips where this CPU cannot run
+    it (the extension's own switch, which FAIRSEQ_SPECDEC_ISA sets at
+    import: fairseq_specdec/kernels/__init__.py)."""
+    import pytest
+
+    from fairseq_specdec import kernels
+
+    if kernels.unavailable_reason() is not None:
+        pytest.skip(kernels.unavailable_reason())
+    if name == "avx512" and not kernels.has_avx512():
+        pytest.skip("this CPU has no AVX-512F")
+    before = kernels.isa()
+    assert kernels._ext.select_isa(name) == name
+    try:
+        yield
+    finally:
+        kernels._ext.select_isa(before)
 
 OPTION_SETS = {
     "default": dict(max_len_a=0, max_len_b=200, min_len=1),

@@ -385,6 +385,9 @@ def test_variants_repeat_only_the_plugins_rows():
 
     assert split_environment(graphed["extra"]) == ({"FAIRSEQ_SPECDEC_OFF": "graphs"}, plain["extra"] + ["--block-size", "3"])
     assert "FAIRSEQ_SPECDEC_OFF=graphs" not in generate_argv(dict(graphed, batch_size=1, beam=1, threads=1))
+    # the products' instruction set is chosen at import: a row that sets it is refused, not ignored
+    with pytest.raises(ValueError, match="FAIRSEQ_SPECDEC_ISA=avx2: FAIRSEQ_SPECDEC_ISA is read once"):
+        split_environment(["--beam", "1", "FAIRSEQ_SPECDEC_ISA=avx2"])
 
 
 def test_a_variant_for_some_row_kinds_repeats_only_their_rows():

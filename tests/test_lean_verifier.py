@@ -73,6 +73,27 @@ def test_lean_pass_equals_fairseq_layers_pass_by_pass(verifier, beam1_reference,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("isa", H.ISAS)
+@pytest.mark.parametrize("opts", ["default", "max_len_3"])
+def test_native_pass_equals_fairseq_on_every_instruction_set(verifier, beam1_reference, tiny_drafter, opts, isa):
+    """The check above with the native products on each instruction set the
+    CPU runs (AVX-512 where it has AVX-512F; its emulation on AVX2
+    everywhere): each pass equals fairseq's layers within rounding, and the
+    strict output equals ``--beam 1``."""
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference(opts, 16)
+    H.skip_unless_gemm("rowgemm")
+    with H.products_isa(isa):
+        paired = PairedVerifier(model, "rowgemm")
+        assert paired.lean.fused
+        drafter = partly_right(ref, d)
+        got = run_generator(strict_generator(model, drafter, d, paired, opts=opts), model, H.batches(task, "test", 16))
+    assert_identical(ref, got)
+    assert paired.passes > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("gemm", H.GEMMS)
 @pytest.mark.parametrize("bsz", [1, 16])
 def test_scratch_cache_positions_never_reach_the_output(verifier, beam1_reference, bsz, gemm):

@@ -7,16 +7,23 @@
   inputs with leading dimensions, empty inputs;
 * a row's result is bitwise the same whatever other rows share the call
   (the arithmetic contract the module documents);
+* the AVX-512 blocks (run where the CPU has AVX-512F, and emulated on AVX2
+  everywhere) give bitwise the AVX2 products; ``FAIRSEQ_SPECDEC_ISA``
+  picks them at import, and refuses what it cannot pick, by name;
 * it is built by the install (a silent fallback to torch would hide a broken
   build), and it refuses what it cannot compute, by name.
 """
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import specdec_helpers as H
+from fairseq_specdec import kernels
 from fairseq_specdec.kernels import rowgemm
 
 needs_kernel = pytest.mark.skipif(rowgemm.unavailable_reason() is not None, reason=str(rowgemm.unavailable_reason()))
@@ -74,6 +81,64 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     alone = torch.cat([small(x[i : i + 1]) for i in range(14)])
     for m in range(1, 15):
         assert torch.equal(small(x[:m]), alone[:m]), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx512", "avx512-emulated"])
+def test_avx512_blocks_give_the_avx2_products_bitwise(isa):
+    """The AVX-512 register blocks (16-lane vectors over pairs of panels, 4
+    rows x 64 columns or groups of 8 rows x 48 columns, an odd last panel in
+    an AVX2 block) compute every element as the AVX2 blocks do: bitwise the
+    same products for every element type, bias, ReLU, output width (odd and
+    even panel counts, part blocks) and row count.  ``avx512`` runs where the
+    CPU has AVX-512F; ``avx512-emulated`` runs the same code on AVX2
+    instructions everywhere."""
+    g = torch.Generator().manual_seed(5)
+    before, checked = kernels.isa(), 0
+    for out_features, in_features in [(1, 1), (7, 3), (16, 5), (23, 5), (40, 9), (49, 64), (64, 33), (100, 48),
+                                      (1000, 96)]:
+        weight, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+        xs = {m: torch.randn(m, in_features, generator=g) for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 17)}
+        for precision in rowgemm.PRECISIONS:
+            for activation, b in ((None, None), ("relu", bias)):
+                lin = rowgemm.PackedLinear(weight, b, activation, precision=precision)
+                avx2 = {m: lin(x) for m, x in xs.items()}
+                with H.products_isa(isa):
+                    assert kernels.isa() == isa
+                    for m, x in xs.items():
+                        assert torch.equal(lin(x), avx2[m]), (out_features, in_features, precision, activation, m)
+                        checked += 1
+    assert kernels.isa() == before  # the import-time choice restored
+    assert checked == 9 * 3 * 2 * 10
+
+
+@needs_kernel
+def test_the_products_isa_is_avx2_unless_asked_and_refused_by_name():
+    """Unset, FAIRSEQ_SPECDEC_ISA leaves the AVX2 blocks (whatever the CPU
+    has); a name picks the blocks, checked at import; an unknown name, or
+    avx512 on a CPU without AVX-512F, is refused naming the variable."""
+    has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    assert kernels.has_avx512() == has_avx512
+    code = "from fairseq_specdec import kernels; print('ISA', kernels.isa())"
+
+    def isa_of(value):
+        env = {k: v for k, v in H.subprocess_env().items() if k != kernels.ISA_ENV}
+        if value is not None:
+            env[kernels.ISA_ENV] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+    unset = isa_of(None)
+    assert "ISA avx2" in unset.stdout, unset.stderr[-2000:]
+    emulated = isa_of("avx512-emulated")
+    assert "ISA avx512-emulated" in emulated.stdout, emulated.stderr[-2000:]
+    bad = isa_of("avx1024")
+    assert bad.returncode != 0
+    assert "FAIRSEQ_SPECDEC_ISA=avx1024: not an instruction set" in bad.stderr and "avx512-emulated" in bad.stderr
+    forced = isa_of("avx512")
+    if has_avx512:
+        assert "ISA avx512" in forced.stdout, forced.stderr[-2000:]
+    else:
+        assert forced.returncode != 0 and "FAIRSEQ_SPECDEC_ISA=avx512: this CPU has no AVX-512F" in forced.stderr
 
 
 @needs_kernel

@@ -10,11 +10,20 @@ chose the native path; models never import it.  The extension is optional:
 without it (no compiler at install, a CPU without AVX2/FMA) every decoding
 runs on torch's operations.
 
+**Instruction set.**  The products' register blocks are AVX2 ones, or on a
+CPU with AVX-512F, AVX-512 ones (``csrc/rowgemm_avx512.cpp``), bitwise the
+same products.  The choice is made once, at import, here: :data:`ISA_ENV`
+(``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS` (docs/benchmarking.md),
+and :func:`isa` says which runs.  The default is AVX2 until the AVX-512
+blocks are measured against it on an AVX-512 machine
+(docs/verify-kernels.md).
+
 **Parts.**  :data:`PARTS` names the native parts the backend can be told
 not to use (``resolve_backend(..., off=...)``), so that the benchmark can
 measure what each one gains (its ``FAIRSEQ_SPECDEC_OFF`` rows:
 docs/benchmarking.md); decoding never needs it.
 """
+import os
 from typing import FrozenSet, Iterable, Optional
 
 import torch
@@ -56,6 +65,32 @@ else:
 #: whether this CPU runs the kernel (asked once: the answer cannot change)
 _SUPPORTED = _ext is not None and bool(_ext.supported())
 
+#: the environment variable that forces the products' instruction set
+ISA_ENV = "FAIRSEQ_SPECDEC_ISA"
+#: what it takes: ``auto`` (or unset: the default, AVX2), ``avx2``,
+#: ``avx512`` (refused on a CPU without AVX-512F), and ``avx512-emulated``
+#: (the AVX-512 blocks computed with AVX2 instructions, slower: for testing
+#: them on a CPU without AVX-512)
+ISAS = ("auto", "avx2", "avx512", "avx512-emulated")
+
+
+def _select_isa() -> None:
+    """Apply :data:`ISA_ENV`, once, at import; a value not in :data:`ISAS`,
+    or one this CPU cannot run, is refused by the variable's name."""
+    wanted = os.environ.get(ISA_ENV, "").strip()
+    if wanted and wanted not in ISAS:
+        raise ValueError(f"{ISA_ENV}={wanted}: not an instruction set of the plugin's products; "
+                         f"the choices are {', '.join(ISAS)}")
+    if not _SUPPORTED:
+        return  # torch's products: there is nothing to choose
+    try:
+        _ext.select_isa(wanted)
+    except RuntimeError as error:
+        raise ValueError(f"{ISA_ENV}={wanted}: {str(error).splitlines()[0]}") from None
+
+
+_select_isa()
+
 
 def unavailable_reason() -> Optional[str]:
     """Why the native kernels cannot run on this machine (None: they can)."""
@@ -67,9 +102,16 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+def has_avx512() -> bool:
+    """Whether this CPU (and its OS) runs the AVX-512 blocks
+    (``FAIRSEQ_SPECDEC_ISA=avx512``)."""
+    return unavailable_reason() is None and bool(_ext.has_avx512())
+
+
 def isa() -> Optional[str]:
-    """The instruction set the native products run on here (``"avx2"``), as
-    the extension reports it; None where they cannot run
+    """The instruction set the native products run on here (``"avx512"``,
+    ``"avx2"``, or ``"avx512-emulated"`` where :data:`ISA_ENV` asked for
+    it), as the extension reports it; None where they cannot run
     (:func:`unavailable_reason`): torch's products then."""
     if unavailable_reason() is not None:
         return None

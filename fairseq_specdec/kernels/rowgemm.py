@@ -8,7 +8,9 @@ weight once for all rows: :class:`PackedLinear` packs an ``nn.Linear``'s
 weight once into panels of 8 columns, and a call sweeps them with a register
 block of accumulators in AVX2 registers sized by its rows: 4 rows x 24
 columns up to 4 rows, 6 x 16 up to 6, 8 x 8 up to 8, so that a call of up
-to 8 rows reads each weight once.
+to 8 rows reads each weight once (or, with ``FAIRSEQ_SPECDEC_ISA=avx512``,
+AVX-512 blocks of 4 x 64 and 8 x 48 columns giving bitwise the same
+products: :mod:`fairseq_specdec.kernels`).
 
 **Arithmetic.** Each output element is the in-order float32 sum over the
 input features of ``x[i, k] * W[n, k]`` (fused multiply-adds from 0), plus

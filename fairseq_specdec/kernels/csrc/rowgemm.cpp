@@ -35,8 +35,16 @@
 // int8 exactly to float32, sums x[i][k] * q[n][k] in order as above, then
 // multiplies by s[n] before the bias: W is replaced by q * s, a quarter of
 // the bytes to stream.  Drafting only, like bfloat16.
+//
+// On a CPU with AVX-512F the blocks can be AVX-512 ones instead
+// (rowgemm_avx512.cpp: 16-lane vectors over pairs of panels, blocks of up to
+// 8 rows x 48 columns), bitwise the same products; select_isa picks the
+// instruction set once, at import (FAIRSEQ_SPECDEC_ISA:
+// fairseq_specdec/kernels/__init__.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "rowgemm_avx512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -61,7 +69,11 @@ constexpr int64_t kLanes = 8;    // floats per AVX2 register (and per panel)
 struct Layout {
   int64_t group_rows, block_panels;
 };
-inline Layout layout_for(int64_t m) {
+// The AVX-512 blocks (wide): up to 4 rows x 8 panels (4 vectors of 16
+// columns), else groups of 8 rows x 6 panels (3 vectors), 16 or 24 of the 32
+// registers as accumulators; a call of up to 8 rows reads each weight once.
+inline Layout layout_for(int64_t m, bool wide) {
+  if (wide) return m <= 4 ? Layout{4, 8} : Layout{8, 6};
   if (m <= 4) return {4, 3};
   if (m <= 6) return {6, 2};
   if (m <= 8) return {8, 1};
@@ -75,6 +87,32 @@ bool cpu_supported() {
 #else
   return false;
 #endif
+}
+
+bool cpu_has_avx512() {
+#ifdef ROWGEMM_X86
+  // __builtin_cpu_supports also checks that the OS saves the AVX-512 registers
+  return cpu_supported() && __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// The instruction set of the products' register blocks: chosen once
+// (select_isa, at import), read by every product.  avx512_emulated computes
+// the AVX-512 blocks with AVX2 instructions, for the tests.  The default is
+// AVX2 on every CPU until the AVX-512 blocks are measured against it on an
+// AVX-512 machine (docs/verify-kernels.md); avx512 is asked for by name.
+enum class Isa { none, avx2, avx512, avx512_emulated };
+Isa g_isa = cpu_supported() ? Isa::avx2 : Isa::none;
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512_emulated: return "avx512-emulated";
+    default: return "none";
+  }
 }
 
 #ifdef ROWGEMM_X86
@@ -200,9 +238,28 @@ void check_packed(const torch::Tensor& packed, int64_t out_features) {
 
 bool supported() { return cpu_supported(); }
 
-// the instruction set the products and fused layers run on here: "avx2"
-// (AVX2 with FMA, 8-lane panels), or "none" where the CPU lacks them
-std::string isa() { return cpu_supported() ? "avx2" : "none"; }
+// the instruction set the products run on here: "avx512" (AVX-512F blocks),
+// "avx2" (AVX2 with FMA), "avx512-emulated" (the AVX-512 blocks on AVX2
+// instructions), or "none" where the CPU lacks AVX2/FMA; the fused layers'
+// other loops are AVX2 on all of them
+std::string isa() { return isa_name(g_isa); }
+
+// Choose the instruction set of the products: "" (or "auto") the default
+// (avx2, above), else one of "avx2", "avx512", "avx512-emulated", refused
+// where the CPU lacks it.  Returns the one chosen.  Called once, at import.
+std::string select_isa(const std::string& name) {
+  TORCH_CHECK(cpu_supported(), "this CPU has no AVX2/FMA, so no instruction set can be chosen");
+  Isa isa;
+  if (name.empty() || name == "auto") isa = Isa::avx2;
+  else if (name == "avx2") isa = Isa::avx2;
+  else if (name == "avx512-emulated") isa = Isa::avx512_emulated;
+  else if (name == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "this CPU has no AVX-512F instructions (use avx2, or avx512-emulated to test)");
+    isa = Isa::avx512;
+  } else TORCH_CHECK(false, "no instruction set '", name, "'; the choices are auto, avx2, avx512, avx512-emulated");
+  g_isa = isa;
+  return isa_name(isa);
+}
 
 // weight: N x K (an nn.Linear's weight) -> [ceil(N/8)][K][8], zero padded
 torch::Tensor pack(const torch::Tensor& weight) {
@@ -265,7 +322,9 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
     return;
   }
   // rows interleaved per group: xt[g][k][r]
-  const Layout lay = layout_for(m);
+  const Isa isa = g_isa;
+  const bool wide = isa == Isa::avx512 || isa == Isa::avx512_emulated;
+  const Layout lay = layout_for(m, wide);
   const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
   const int64_t groups = (m + group_rows - 1) / group_rows;
   std::vector<float> xt(static_cast<size_t>(groups * K * group_rows));
@@ -295,7 +354,21 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
         float* yg = yd + g * group_rows * ldy + col;
         const int64_t ncols = N - col;
         const WT* pf = g == 0 ? next : nullptr;
-        if (nv == 3) rows_block<3, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        if (wide) {
+          // pairs of panels in AVX-512 blocks, an odd last panel in an AVX2 one (bitwise the same sums)
+          const int pairs = static_cast<int>(nv / 2);
+          if (pairs > 0) {
+            const bool done = isa == Isa::avx512
+                ? rowgemm_avx512::sweep(rows, pairs, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf)
+                : rowgemm_avx512_emulated::sweep(rows, pairs, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+            TORCH_CHECK(done, "rowgemm: no AVX-512 block of ", rows, " rows x ", pairs, " panel pairs");
+          }
+          if (nv % 2 == 1) {
+            const int64_t c = 2 * pairs * kLanes;
+            rows_block<1, WT>(rows, xg, K, wb + 2 * pairs * panel_stride, panel_stride, bb != nullptr ? bb + c : nullptr,
+                              act, yg + c, ldy, ncols - c, nullptr);
+          }
+        } else if (nv == 3) rows_block<3, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
         else if (nv == 2) rows_block<2, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
         else rows_block<1, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
       }
@@ -893,7 +966,10 @@ void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
-  m.def("isa", &isa, "the instruction set the kernel runs on here: avx2, or none");
+  m.def("has_avx512", &cpu_has_avx512, "whether this CPU (and its OS) runs the AVX-512 blocks");
+  m.def("isa", &isa, "the instruction set the products run on here: avx512, avx2, avx512-emulated, or none");
+  m.def("select_isa", &select_isa,
+        "choose the products' instruction set ('' or auto: the best here; avx2, avx512, avx512-emulated); returns it");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
