@@ -198,3 +198,18 @@ def blockwise_checkpoint(toy_bin, ar_checkpoint, tmp_path_factory):
 def pytest_configure(config):
     # fairseq/hydra deprecation noise
     config.addinivalue_line("filterwarnings", "ignore::UserWarning")
+
+
+#: the test files that take longest, in that order, run first: ``make test``
+#: hands whole files to its two processes (``--dist loadfile``) in
+#: collection order, so a long file collected last (alphabetically) would
+#: run alone after the other process had finished
+LONGEST_FIRST = ("test_verifier_variants.py", "test_cli.py", "test_bench_package.py", "test_draft_trees.py",
+                 "test_family.py", "test_cli_errors.py", "test_half_precision.py", "test_specdec_vsd.py",
+                 "test_benchmark.py", "test_self_draft.py", "test_distill_shards.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: the other files keep their order after these, and the tests of a file theirs
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))

@@ -80,12 +80,14 @@ def subprocess_env():
     return env
 
 
-def run(cmd, check=True, timeout=900, cwd=None):
+def run(cmd, check=True, timeout=900, cwd=None, env=None):
+    """``cmd`` in the tests' environment (``env``: more variables); a failure
+    (with ``check``) shows the ends of its output."""
     proc = subprocess.run(
         [str(c) for c in cmd],
         capture_output=True,
         text=True,
-        env=subprocess_env(),
+        env=dict(subprocess_env(), **(env or {})),
         timeout=timeout,
         cwd=cwd,
     )

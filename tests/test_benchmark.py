@@ -21,7 +21,7 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
         "--verifier", ar_checkpoint, "--drafter", nat_checkpoint, "--blockwise", blockwise_checkpoint,
         "--rows", "beam5,beam1,strict,relaxed,blockwise", "--relaxed", "3:1", "--batch-sizes", "1,4",
         "--relaxed-batch-sizes", "1", "--jobs", "2",
-        "--raw-ref", raw_ref, "--detok-lang", "en", "--warmup", "5", "--out", out,
+        "--raw-ref", raw_ref, "--detok-lang", "en", "--warmup", "5", "--limit", "24", "--out", out,
         "--sweeps", "--sweep-batch-sizes", "1,4", "--sweep-ks", "2,4", "--sweep-betas", "1,3", "--sweep-taus", "1",
     ])
     results = json.loads((out / "results.json").read_text())
@@ -30,9 +30,9 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
         assert {f"{kind}@bs{bs}" for kind in ("beam5", "beam1", "strict", "blockwise")} <= set(rows)
     assert "b3t1@bs1" in rows and "b3t1@bs4" not in rows  # --relaxed-batch-sizes 1
     assert results["jobs"] == 2
-    assert results["sentences"] == H.SPLIT_SIZES["test"]
+    assert results["sentences"] == 24  # --limit
     for r in rows.values():
-        assert r["sentences"] == H.SPLIT_SIZES["test"]
+        assert r["sentences"] == 24
         assert r["tok"] >= 1.0 and r["seconds"] > 0
     for bs in (1, 4):
         assert rows[f"strict@bs{bs}"]["identical_to_beam1"], rows[f"strict@bs{bs}"]["differs_from_beam1"]
@@ -48,7 +48,7 @@ def test_benchmark_writes_every_row_table_and_plot(toy_bin, ar_checkpoint, nat_c
     assert f"Machine: CPU: {results['machine']['cpu']}" in table
     assert "draft-verify strict" in table and "blockwise" in table
     hyp = (out / "hyp.strict@bs1.txt").read_text().splitlines()
-    assert len(hyp) == H.SPLIT_SIZES["test"]
+    assert len(hyp) == 24
     assert set(results["k_sweep"]["strict"]) == {"2", "4"}
     assert set(results["batch_sweep"]["draft-verify strict"]) == {"1", "4"}
     assert set(results["beta_tau_sweep"]) == {"beta=1", "beta=3"}
