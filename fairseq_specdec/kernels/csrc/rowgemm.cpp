@@ -969,7 +969,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU (and its OS) runs the AVX-512 blocks");
   m.def("isa", &isa, "the instruction set the products run on here: avx512, avx2, avx512-emulated, or none");
   m.def("select_isa", &select_isa,
-        "choose the products' instruction set ('' or auto: the best here; avx2, avx512, avx512-emulated); returns it");
+        "choose the products' instruction set ('' or auto: the default, avx2; avx2, avx512, avx512-emulated); returns it");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
