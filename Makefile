@@ -19,14 +19,15 @@ $(STAMP): setup.py $(wildcard fairseq_specdec/kernels/csrc/*.cpp)
 	touch $(STAMP)
 
 # the suite runs on two processes (pytest-xdist, one test file per process at
-# a time; the toy models are trained once for both: tests/conftest.py)
+# a time, the longest files first: tests/conftest.py; the toy models are
+# trained once for both)
 TEST_JOBS ?= 2
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v --durations=15 -n $(TEST_JOBS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v --durations=15 -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests
 
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v -m "not slow" -n $(TEST_JOBS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v -m "not slow" -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests
 
 # CTranslate2 for the demo's comparison row (the plugin never needs it);
 # torch stays pinned

@@ -87,5 +87,5 @@ setup(
     ],
     # ct2: the optional CTranslate2 rows of the benchmark (--rows ...,ct2); never a dependency
     # test: pytest, and build for the packaging test (python -m build)
-    extras_require={"test": ["pytest", "pytest-xdist", "filelock", "build"], "ct2": ["ctranslate2"]},
+    extras_require={"test": ["pytest", "pytest-xdist>=3.8", "filelock", "build"], "ct2": ["ctranslate2"]},
 )

@@ -202,8 +202,9 @@ def pytest_configure(config):
 
 #: the test files that take longest, in that order, run first: ``make test``
 #: hands whole files to its two processes (``--dist loadfile``) in
-#: collection order, so a long file collected last (alphabetically) would
-#: run alone after the other process had finished
+#: collection order (``--no-loadscope-reorder``; pytest-xdist would order
+#: them by their number of tests), so that no long file starts when the
+#: other process is nearly done
 LONGEST_FIRST = ("test_verifier_variants.py", "test_cli.py", "test_bench_package.py", "test_draft_trees.py",
                  "test_family.py", "test_cli_errors.py", "test_half_precision.py", "test_specdec_vsd.py",
                  "test_benchmark.py", "test_self_draft.py", "test_distill_shards.py")
