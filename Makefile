@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # the C++ extension (fairseq_specdec/kernels/csrc) is compiled by the editable install
-$(STAMP): setup.py $(wildcard fairseq_specdec/kernels/csrc/*.cpp)
+$(STAMP): setup.py $(wildcard fairseq_specdec/kernels/csrc/*.cpp fairseq_specdec/kernels/csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip setuptools wheel
 	$(BIN)/pip install torch==2.13.0 cython numpy

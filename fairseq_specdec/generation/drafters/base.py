@@ -78,8 +78,9 @@ NO_KERNELS = DraftKernels()
 class Drafter(ABC):
     """The drafter contract (see the module docstring): what the loop, the
     generator's builder and the benchmark call on every drafter.  The four
-    calls of the loop and ``describe`` are declared here; a drafter must give ``start_batch``, ``propose``, ``reorder`` and
-    ``describe``, and may override the rest."""
+    calls of the loop and ``describe`` are declared here; a drafter must
+    give ``start_batch``, ``propose``, ``reorder`` and ``describe``, and may
+    override the rest."""
 
     #: largest prefix + block length the drafter accepts (None: unlimited)
     max_positions: Optional[int] = None
@@ -110,7 +111,6 @@ class Drafter(ABC):
     @abstractmethod
     def reorder(self, order: Tensor, order_host: List[int]) -> None:
         """Keep only the rows ``order`` (a device tensor, and as host ints)."""
-
 
 
 class TreeDrafter(ABC):
