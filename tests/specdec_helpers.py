@@ -24,10 +24,20 @@ AR_ARCH_ARGS = [
     "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
     "--share-all-embeddings",
 ]
+#: how every test's fairseq-train loads its data: in the main thread.  By
+#: default fairseq fills a queue of batches from a daemon thread
+#: (``--data-buffer-size 10``; BufferedIterator), and a run that stops at
+#: --max-update in mid-epoch leaves that thread running; if it is inside a
+#: torch call when the interpreter exits, the process aborts ("terminate
+#: called without an active exception", exit -6) after it has trained and
+#: saved.  The tests' tiny models update faster than that thread refills the
+#: queue, so it is mostly inside torch calls; on the loaded two-process test
+#: machine it happened to the probe's and to the blockwise heads' training.
+DATA_LOADING_ARGS = ["--num-workers", "0", "--data-buffer-size", "0"]
 OPTIM_ARGS = [
     "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt",
     "--warmup-updates", "50", "--max-tokens", "1024", "--dropout", "0.0",
-    "--no-epoch-checkpoints", "--cpu", "--seed", "1",
+    "--no-epoch-checkpoints", "--cpu", "--seed", "1", *DATA_LOADING_ARGS,
 ]
 #: the tiny specdec_vsd drafter (--task draft_verify; reads the verifier's states)
 VSD_ARGS = [
