@@ -5,6 +5,7 @@ renamed component; end to end: two labelled drafters give two sets of rows, a
 decoding registered by a --user-dir plugin runs as a row."""
 import json
 import random
+import shutil
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -455,7 +456,12 @@ def test_roofline_command_refuses_bad_options(capsys):
 def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_checkpoint, tmp_path):
     """scripts/interleave.py: every row decodes the same sentences each round;
     strict plugin decodings are identical to fairseq's --beam 1 row; a row
-    that decodes differently (beam 2) is counted as such."""
+    that decodes differently (beam 2) is counted as such.  A --process-row
+    decodes in a process started with its assignments: here another copy of
+    the plugin (PYTHONPATH) with the emulated AVX-512 products."""
+    other = tmp_path / "other-checkout"
+    shutil.copytree(H.ROOT / "fairseq_specdec", other / "fairseq_specdec",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "interleave.json"
     proc = H.run([
         H.cli("python"), H.ROOT / "scripts" / "interleave.py", "--data", toy_bin, "--src", "src", "--tgt", "tgt",
@@ -463,11 +469,18 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
         "--row", "beam1=--decoding autoregressive",
         "--row", f"loop-greedy=--path {ar_checkpoint} --decoding loop-greedy FAIRSEQ_SPECDEC_OFF=products",
         "--row", "beam2=--decoding autoregressive --beam 2",
+        "--process-row", f"other=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512-emulated PYTHONPATH={other}",
         "--row", "copy=--decoding input-guided --specdec-backend reference", "--json", out, "--by-batch",
     ])
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    assert result["sentences"] == 8 and list(rows) == ["beam1", "loop-greedy", "beam2", "copy"]
+    assert result["sentences"] == 8 and list(rows) == ["beam1", "loop-greedy", "beam2", "other", "copy"]
+    process = rows["other"]["process"]
+    assert process["package"] == str(other / "fairseq_specdec") and process["isa"] == "avx512-emulated"
+    assert process["env"] == {"FAIRSEQ_SPECDEC_ISA": "avx512-emulated", "PYTHONPATH": str(other)}
+    assert rows["other"]["identical"] == 8 and rows["other"]["tok"] == 1.0
+    assert "process" not in rows["loop-greedy"] and result["machine"]["plugin_isa"] == "avx2"
+    assert f"other: in its own process (FAIRSEQ_SPECDEC_ISA=avx512-emulated PYTHONPATH={other}): " in proc.stdout
     assert result["by_batch"] and "2 rounds taken batch by batch" in proc.stdout
     # Tok.: one token per iteration for greedy, at least one with drafts, none for fairseq's decoders
     assert rows["loop-greedy"]["tok"] == 1.0 and rows["copy"]["tok"] >= 1.0
@@ -489,6 +502,24 @@ def test_interleave_command_refuses_bad_rows(toy_bin, ar_checkpoint, capsys):
         with pytest.raises(SystemExit) as exit:
             interleave.main(["--data", str(toy_bin), "--verifier", str(ar_checkpoint), "--row", row])
         assert exit.value.code == 2 and message in capsys.readouterr().err, row
+    for argv, message in (([], "give at least one --row or --process-row"),
+                          (["--process-row", f"x=--decoding loop-greedy PYTHONPATH={toy_bin}"],
+                           f"--process-row x: PYTHONPATH={toy_bin}: no fairseq_specdec/ in")):
+        with pytest.raises(SystemExit) as exit:
+            interleave.main(["--data", str(toy_bin), "--verifier", str(ar_checkpoint), *argv])
+        assert exit.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_interleave_process_row_that_fails_is_named(toy_bin, ar_checkpoint):
+    """A --process-row whose process fails (here: an instruction set the
+    plugin refuses at import) stops the run with the row's name and the
+    process's error."""
+    from fairseq_specdec.bench import interleave
+
+    with pytest.raises(RuntimeError, match=r"(?s)--process-row bad failed: .*FAIRSEQ_SPECDEC_ISA"):
+        interleave.main(["--data", str(toy_bin), "--src", "src", "--tgt", "tgt", "--verifier", str(ar_checkpoint),
+                         "--limit", "2", "--row", "here=--decoding loop-greedy",
+                         "--process-row", "bad=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=no-such-set"])
 
 
 def test_table_reports_rows_against_loop_greedy_when_it_ran():

@@ -14,6 +14,16 @@ decoded by the plugin's loop also reports its Tok. (output tokens, EOS
 included, per iteration, from the generator's statistics over one round);
 fairseq's own decoders leave the column empty.
 
+A ``--process-row NAME=OPTIONS`` is a row decoded in a process of its own
+(:mod:`fairseq_specdec.bench.interleave_worker`), started with the row's
+``NAME=value`` words in its environment: what a process reads once, such as
+``FAIRSEQ_SPECDEC_ISA=avx512``, or ``PYTHONPATH=DIR`` to decode with
+another checkout of the plugin (built in place) instead of this one.  It
+takes its turns with the other rows as an in-process row does, timed in
+its process around the decoding alone, so that two instruction sets or two
+versions of the code are compared batch by batch under the same drift of
+the machine, which two whole runs one after the other are not.
+
 --ct2 adds the row "ctranslate2" (--ct2-int8: "ctranslate2-int8", weights
 quantized to int8 when loaded), after the --row rows: the verifier converted
 once to CTranslate2 (into --ct2-dir, by default a temporary directory removed
@@ -35,6 +45,7 @@ import json
 import logging
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +76,29 @@ def parse_row(text: str) -> Dict:
     return {"name": name, "path": path, "extra": extra}
 
 
+def process_environment(name: str, extra: List[str]):
+    """A --process-row's options as ``(environment, options)``: its
+    ``NAME=value`` words go to its process's environment, except
+    ``FAIRSEQ_SPECDEC_OFF``, which stays a row option (the benchmark reads
+    it when the row is built); a ``PYTHONPATH`` must name checkouts of the
+    plugin (folders holding ``fairseq_specdec/``)."""
+    from .loading import _ASSIGNMENT, OFF_ENV
+
+    env, rest = {}, []
+    for word in extra:
+        match = _ASSIGNMENT.match(word)
+        if match is None or match.group(1) == OFF_ENV:
+            rest.append(word)
+        else:
+            env[match.group(1)] = match.group(2)
+    if "PYTHONPATH" in env:
+        folder = env["PYTHONPATH"].split(os.pathsep)[0]
+        if not os.path.isfile(os.path.join(folder, "fairseq_specdec", "__init__.py")):
+            raise ValueError(f"--process-row {name}: PYTHONPATH={env['PYTHONPATH']}: no fairseq_specdec/ in "
+                             f"{folder!r} (name the folder of another checkout of the plugin first)")
+    return env, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scripts/interleave.py",
@@ -74,8 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data", required=True, help="binarized data directory (fairseq-preprocess output)")
     p.add_argument("--verifier", required=True, help="the verifier checkpoint (every row's --path unless it names one)")
-    p.add_argument("--row", action="append", required=True, metavar="NAME=OPTIONS",
-                   help="a decoder: its name and fairseq-generate options (repeat; the first is the reference)")
+    p.add_argument("--row", action="append", dest="rows", type=lambda text: ("here", text), metavar="NAME=OPTIONS",
+                   help="a decoder: its name and fairseq-generate options (repeat; the first --row or "
+                        "--process-row is the reference)")
+    p.add_argument("--process-row", action="append", dest="rows", type=lambda text: ("process", text),
+                   metavar="NAME=OPTIONS",
+                   help="a decoder in a process of its own, started with the row's NAME=value words in its "
+                        "environment (e.g. FAIRSEQ_SPECDEC_ISA=avx512, or PYTHONPATH=DIR: another checkout of the "
+                        "plugin, built in place); it takes its turns with the other rows")
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
     p.add_argument("--subset", default="test", help="the split to decode (default test)")
@@ -135,8 +175,13 @@ def check_ct2(parser, args, names: List[str]) -> List[Dict]:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.rows:
+        parser.error("give at least one --row or --process-row")
     try:
-        rows = [parse_row(r) for r in args.row]
+        rows = [dict(parse_row(text), process=where == "process") for where, text in args.rows]
+        for row in rows:
+            if row["process"]:
+                row["env"], row["extra"] = process_environment(row["name"], row["extra"])
     except ValueError as error:
         parser.error(str(error))
     names = [r["name"] for r in rows]
@@ -164,15 +209,121 @@ def main(argv=None) -> int:
         return interleave(args, rows, extra_rows, ct2_dir)
 
 
+class HereRow:
+    """A row decoded in this process: ``decode(sample)`` timed around the call."""
+
+    def __init__(self, row: Dict, decode, generator, batches: list):
+        self.row, self.decode, self.generator, self.batches = row, decode, generator, batches
+        self.ids = [sample["id"].tolist() for sample in batches]
+        self.described: Dict = {}
+
+    def run(self, b: int):
+        """``(seconds, [(id, tokens), ...])`` of batch ``b``."""
+        sample = self.batches[b]
+        t0 = time.perf_counter()
+        out = self.decode(sample)
+        return time.perf_counter() - t0, list(zip(self.ids[b], out))
+
+    def reset(self) -> None:
+        from .timing import reset_statistics
+
+        if self.generator is not None:  # the plugin's loop: Tok. of this round only
+            reset_statistics(self.generator)
+
+    def tok(self) -> Optional[float]:
+        from ..generation import SpeculativeGenerator
+
+        stats = self.generator.stats if isinstance(self.generator, SpeculativeGenerator) else None
+        return stats.mean_accepted if stats is not None and stats.iterations else None
+
+    def close(self) -> None:
+        pass
+
+
+#: the worker of a --process-row, run by its path (see its docstring)
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "interleave_worker.py")
+
+
+class ProcessRow:
+    """A --process-row: its decoder in a worker process
+    (:mod:`fairseq_specdec.bench.interleave_worker`) started with the row's
+    environment, asked for each batch in turn; the time is the worker's,
+    around the decoding alone."""
+
+    def __init__(self, row: Dict, spec: Dict, threads: int):
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        env.update(row["env"])  # the row's own PYTHONPATH (another checkout) replaces this one's
+        self.row = row
+        self.log = tempfile.TemporaryFile(mode="w+")
+        read_fd, write_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, WORKER, str(write_fd)], stdin=subprocess.PIPE,
+                                         stdout=self.log, stderr=subprocess.STDOUT, env=env, text=True,
+                                         pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        try:
+            loaded = self.ask({"load": spec})
+        except BaseException:
+            self.close()
+            raise
+        self.ids = loaded["ids"]
+        self.described = {"process": {"env": row["env"], "package": loaded["package"], "isa": loaded["isa"]}}
+
+    def ask(self, request: Dict) -> Dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.replies.readline()
+        reply = json.loads(line) if line else {"error": "the process ended"}
+        if "error" in reply:
+            self.log.seek(0)
+            raise RuntimeError(f"--process-row {self.row['name']} failed: {reply['error']}\n"
+                               f"its log (end):\n{self.log.read()[-4000:]}")
+        return reply
+
+    def run(self, b: int):
+        reply = self.ask({"decode": b})
+        return reply["seconds"], [(sid, tokens) for sid, tokens in reply["out"]]
+
+    def reset(self) -> None:
+        self.ask({"reset": True})
+
+    def tok(self) -> Optional[float]:
+        return self.ask({"tok": True})["tok"]
+
+    def close(self) -> None:
+        """The process ends (at the end of its input; killed if it has not
+        ended 30 s later)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:  # it ended first
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.replies.close()
+        self.log.close()
+
+
+def row_spec(args, row: Dict) -> Dict:
+    """The spec that builds a --row's or --process-row's decoder
+    (:func:`fairseq_specdec.bench.loading.load_decoder`)."""
+    return dict(data=args.data, path=row["path"] or args.verifier, batch_size=args.batch_size, beam=1,
+                src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit, subset=args.subset,
+                extra=row["extra"])
+
+
 def fairseq_row(args, row: Dict):
     """``(decode, batches, generator)`` of a --row: ``decode(sample)`` is
     each sentence's output tokens (ids, EOS last)."""
     from .loading import load_decoder
 
-    spec = dict(data=args.data, path=row["path"] or args.verifier, batch_size=args.batch_size, beam=1,
-                src=args.src, tgt=args.tgt, threads=args.threads, limit=args.limit, subset=args.subset,
-                extra=row["extra"])
-    task, models, generator, batches = load_decoder(spec)
+    task, models, generator, batches = load_decoder(row_spec(args, row))
 
     def decode(sample) -> List[List[int]]:
         return [h[0]["tokens"].tolist() for h in task.inference_step(generator, models, sample)]
@@ -200,11 +351,9 @@ def translator_row(args, row: Dict, ct2_dir: str):
 
 
 def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional[str]) -> int:
-    """Load every row (the --row rows, then the CTranslate2 rows), time them
-    in turn for ``args.rounds`` rounds, print the table."""
-    from ..generation import SpeculativeGenerator
-    from .timing import reset_statistics
-
+    """Load every row (the --row and --process-row rows, then the
+    CTranslate2 rows), time them in turn for ``args.rounds`` rounds, print
+    the table; every --process-row's process ends with it."""
     if extra_rows:
         from .ct2 import convert
 
@@ -212,50 +361,55 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
         print(f"converted the verifier to CTranslate2 into {ct2_dir}", file=sys.stderr, flush=True)
 
     loaded = []
-    for row in rows + extra_rows:
-        if "compute_type" in row:
-            decode, batches, generator = translator_row(args, row, ct2_dir)
-        else:
-            decode, batches, generator = fairseq_row(args, row)
-        loaded.append((row, decode, generator, list(batches())))
-        print(f"loaded {row['name']}", file=sys.stderr, flush=True)
+    try:
+        for row in rows + extra_rows:
+            if row.get("process"):
+                loaded.append(ProcessRow(row, row_spec(args, row), args.threads))
+            else:
+                build = translator_row(args, row, ct2_dir) if "compute_type" in row else fairseq_row(args, row)
+                decode, batches, generator = build
+                loaded.append(HereRow(row, decode, generator, list(batches())))
+            print(f"loaded {row['name']}", file=sys.stderr, flush=True)
+        return timed_rounds(args, rows, extra_rows, ct2_dir, loaded)
+    finally:
+        for entry in loaded:
+            entry.close()
 
-    if len({len(data) for *_, data in loaded}) != 1:
+
+def timed_rounds(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional[str], loaded: List) -> int:
+    """Time the loaded rows (:class:`HereRow`, :class:`ProcessRow`) in turn
+    for ``args.rounds`` rounds; print (and write) the table."""
+    if any(entry.ids != loaded[0].ids for entry in loaded):
         raise RuntimeError("the rows decode different batches: " + ", ".join(
-            f"{row['name']} {len(data)}" for row, *_, data in loaded))
+            f"{entry.row['name']} {len(entry.ids)} batches" for entry in loaded))
     times: Dict[str, List[float]] = {r["name"]: [] for r in rows + extra_rows}
     tok: Dict[str, Optional[float]] = {}
     outputs: Dict[str, Dict[int, List[int]]] = {}
     for round_ in range(args.rounds):
-        for row, decode, generator, data in loaded:
-            if generator is not None:
-                reset_statistics(generator)  # the plugin's loop: Tok. of this round only
-            outputs[row["name"]] = {}
-        seconds = {row["name"]: 0.0 for row, *_ in loaded}
-        sentences = {row["name"]: 0 for row, *_ in loaded}
-        # (row, its samples) in the order they are decoded: --by-batch, every
+        for entry in loaded:
+            entry.reset()
+            outputs[entry.row["name"]] = {}
+        seconds = {entry.row["name"]: 0.0 for entry in loaded}
+        sentences = {entry.row["name"]: 0 for entry in loaded}
+        # (row, batch) in the order they are decoded: --by-batch, every
         # batch by every row in turn (the first row rotating), so that the
         # machine's drift within a round hits all rows alike; else each row
         # the whole split in turn
-        n = len(loaded)
+        n, batches = len(loaded), range(len(loaded[0].ids))
         if args.by_batch:
-            rotated = ((b, loaded[(b + j) % n]) for b in range(len(loaded[0][3])) for j in range(n))
-            turns = [(entry, entry[3][b : b + 1]) for b, entry in rotated]
+            turns = [(loaded[(b + j) % n], b) for b in batches for j in range(n)]
         else:
-            turns = [(entry, entry[3]) for entry in loaded]
-        for (row, decode, generator, data), samples in turns:
-            for sample in samples:
-                t0 = time.perf_counter()
-                out = decode(sample)
-                seconds[row["name"]] += time.perf_counter() - t0
-                for sid, tokens in zip(sample["id"].tolist(), out):
-                    outputs[row["name"]][sid] = tokens
-                sentences[row["name"]] += len(out)
-        for row, decode, generator, data in loaded:
-            name = row["name"]
+            turns = [(entry, b) for entry in loaded for b in batches]
+        for entry, b in turns:
+            elapsed, out = entry.run(b)
+            name = entry.row["name"]
+            seconds[name] += elapsed
+            outputs[name].update(out)
+            sentences[name] += len(out)
+        for entry in loaded:
+            name = entry.row["name"]
             times[name].append(seconds[name] / max(1, sentences[name]) * 1e3)
-            stats = generator.stats if isinstance(generator, SpeculativeGenerator) else None
-            tok[name] = stats.mean_accepted if stats is not None and stats.iterations else None
+            tok[name] = entry.tok()
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
     from .machine import describe, header
@@ -282,7 +436,7 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
             described = {"engine": "ctranslate2", "compute_type": row["compute_type"]}
         else:
             options = " ".join(([f"--path {row['path']}"] if row["path"] else []) + row["extra"])
-            described = {}
+            described = next(entry.described for entry in loaded if entry.row is row)
         result["rows"].append({"name": name, "options": options, **described,
                                "ms_per_sentence": round(best, 3), "speedup": round(base / best, 3),
                                "tok": None if tok.get(name) is None else round(tok[name], 3),
@@ -290,6 +444,13 @@ def interleave(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Optional
         tok_cell = "" if tok.get(name) is None else f"{tok[name]:.2f}"
         lines.append(f"| {name} | {best:.2f} | {base / best:.2f}x | {tok_cell} | {same}/{len(outputs[first])} | "
                      f"{' '.join(f'{t:.2f}' for t in times[name])} |")
+    notes = [entry for entry in loaded if "process" in entry.described]
+    lines += [""] if notes else []
+    for entry in notes:
+        process = entry.described["process"]
+        settings = " ".join(f"{k}={v}" for k, v in process["env"].items()) or "this environment"
+        lines.append(f"{entry.row['name']}: in its own process ({settings}): the plugin of "
+                     f"{process['package']}, products {process['isa'] or 'not named by that version'}")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
