@@ -513,13 +513,17 @@ def test_interleave_command_refuses_bad_rows(toy_bin, ar_checkpoint, capsys):
 def test_interleave_process_row_that_fails_is_named(toy_bin, ar_checkpoint):
     """A --process-row whose process fails (here: an instruction set the
     plugin refuses at import) stops the run with the row's name and the
-    process's error."""
+    process's error; the logging it silenced while it ran is as it was."""
+    import logging
+
     from fairseq_specdec.bench import interleave
 
+    before = logging.root.manager.disable
     with pytest.raises(RuntimeError, match=r"(?s)--process-row bad failed: .*FAIRSEQ_SPECDEC_ISA"):
         interleave.main(["--data", str(toy_bin), "--src", "src", "--tgt", "tgt", "--verifier", str(ar_checkpoint),
                          "--limit", "2", "--row", "here=--decoding loop-greedy",
                          "--process-row", "bad=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=no-such-set"])
+    assert logging.root.manager.disable == before
 
 
 def test_table_reports_rows_against_loop_greedy_when_it_ran():

@@ -82,11 +82,11 @@ def process_environment(name: str, extra: List[str]):
     ``FAIRSEQ_SPECDEC_OFF``, which stays a row option (the benchmark reads
     it when the row is built); a ``PYTHONPATH`` must name checkouts of the
     plugin (folders holding ``fairseq_specdec/``)."""
-    from .loading import _ASSIGNMENT, OFF_ENV
+    from .loading import ASSIGNMENT, OFF_ENV
 
     env, rest = {}, []
     for word in extra:
-        match = _ASSIGNMENT.match(word)
+        match = ASSIGNMENT.match(word)
         if match is None or match.group(1) == OFF_ENV:
             rest.append(word)
         else:
@@ -198,15 +198,27 @@ def main(argv=None) -> int:
         parser.error(f"--data {args.data}: no such directory")
     extra_rows = check_ct2(parser, args, names)
 
+    # hydra's and torch's notes are not results; both settings are as they were after the run
+    disabled = logging.root.manager.disable
     logging.disable(logging.WARNING)
-    warnings.filterwarnings("ignore")  # hydra and torch deprecation notes, not results
-    with contextlib.ExitStack() as stack:
-        ct2_dir = args.ct2_dir
-        if extra_rows and not ct2_dir:  # a temporary directory, removed at the end
-            from .ct2 import model_dir
+    try:
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+            warnings.filterwarnings("ignore")
+            return run(args, rows, extra_rows, stack)
+    finally:
+        logging.disable(disabled)
 
-            ct2_dir = model_dir(stack.enter_context(tempfile.TemporaryDirectory(prefix="interleave-ct2-")))
-        return interleave(args, rows, extra_rows, ct2_dir)
+
+def run(args, rows: List[Dict], extra_rows: List[Dict], stack: contextlib.ExitStack) -> int:
+    """The run, once the options are checked: the CTranslate2 rows' model
+    directory (a temporary one, left to ``stack``, unless --ct2-dir names one),
+    then :func:`interleave`."""
+    ct2_dir = args.ct2_dir
+    if extra_rows and not ct2_dir:  # a temporary directory, removed at the end
+        from .ct2 import model_dir
+
+        ct2_dir = model_dir(stack.enter_context(tempfile.TemporaryDirectory(prefix="interleave-ct2-")))
+    return interleave(args, rows, extra_rows, ct2_dir)
 
 
 class HereRow:

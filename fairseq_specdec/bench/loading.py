@@ -4,7 +4,8 @@ import re
 from contextlib import contextmanager
 from typing import Dict, FrozenSet, List, Tuple
 
-_ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
+#: a row option that is an environment assignment (NAME=value, the name upper-case)
+ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$")
 
 #: a row's assignment of this name switches native parts off for that row
 #: (comma-separated names of :data:`fairseq_specdec.kernels.PARTS`), to
@@ -32,7 +33,7 @@ def split_environment(extra: List[str]) -> Tuple[Dict[str, str], List[str]]:
 
     env, rest = {}, []
     for word in extra:
-        match = _ASSIGNMENT.match(word)
+        match = ASSIGNMENT.match(word)
         if match is None:
             rest.append(word)
         elif match.group(1) == ISA_ENV:
