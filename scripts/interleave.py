@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Interleaved timing of several decoders in one process (rounds over every
+"""Interleaved timing of several decoders in one run (rounds over every
 row, fastest round per row, ratios and identity against the first row):
 fairseq_specdec/bench/interleave.py; --help for the options."""
 import sys

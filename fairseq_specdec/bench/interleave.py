@@ -1,5 +1,6 @@
-"""Interleaved timing of several decoders in one process: the firm way to
-compare speeds on a machine whose speed drifts.
+"""Interleaved timing of several decoders, in one run (in this process, or
+each in its own with --process-row): the firm way to compare speeds on a
+machine whose speed drifts.
 
 Every row is a decoder built as ``fairseq-generate`` builds it
 (:func:`fairseq_specdec.bench.loading.load_decoder`) from the verifier and
