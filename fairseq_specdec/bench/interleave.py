@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         parser.error(str(error))
     names = [r["name"] for r in rows]
     if len(set(names)) != len(names):
-        parser.error(f"--row names must differ, got {', '.join(names)}")
+        parser.error(f"--row and --process-row names must differ, got {', '.join(names)}")
     for name, least in (("limit", 1), ("batch_size", 1), ("rounds", 1), ("threads", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
@@ -264,9 +264,9 @@ class ProcessRow:
     around the decoding alone."""
 
     def __init__(self, row: Dict, spec: Dict, threads: int):
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(WORKER)))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        from .workers import worker_environment
+
+        env = worker_environment(threads)
         env.update(row["env"])  # the row's own PYTHONPATH (another checkout) replaces this one's
         self.row = row
         self.log = tempfile.TemporaryFile(mode="w+")
@@ -287,9 +287,12 @@ class ProcessRow:
         self.described = {"process": {"env": row["env"], "package": loaded["package"], "isa": loaded["isa"]}}
 
     def ask(self, request: Dict) -> Dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.replies.readline()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.replies.readline()
+        except BrokenPipeError:  # it ended between two requests
+            line = ""
         reply = json.loads(line) if line else {"error": "the process ended"}
         if "error" in reply:
             self.log.seek(0)
@@ -440,8 +443,8 @@ def timed_rounds(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Option
              f"{args.threads} thread(s)", "",
              f"| decoder | ms/sentence | vs {first} | Tok. | identical to {first} | rounds (ms/sentence) |",
              "|---|---|---|---|---|---|"]
-    for row in rows + extra_rows:
-        name = row["name"]
+    for entry in loaded:  # the --row and --process-row rows, then the CTranslate2 rows
+        row, name = entry.row, entry.row["name"]
         best = min(times[name])
         same = sum(outputs[name].get(i) == outputs[first][i] for i in outputs[first])
         if "compute_type" in row:
@@ -449,7 +452,7 @@ def timed_rounds(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Option
             described = {"engine": "ctranslate2", "compute_type": row["compute_type"]}
         else:
             options = " ".join(([f"--path {row['path']}"] if row["path"] else []) + row["extra"])
-            described = next(entry.described for entry in loaded if entry.row is row)
+            described = entry.described
         result["rows"].append({"name": name, "options": options, **described,
                                "ms_per_sentence": round(best, 3), "speedup": round(base / best, 3),
                                "tok": None if tok.get(name) is None else round(tok[name], 3),

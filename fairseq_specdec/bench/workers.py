@@ -11,6 +11,13 @@ from typing import Callable, Dict, List, Optional
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def worker_environment(threads: int) -> Dict[str, str]:
+    """A worker process's environment: this one, its torch threads pinned,
+    and this checkout's package first on its PYTHONPATH."""
+    path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONPATH=path)
+
+
 def worker_command(spec_path: str) -> List[str]:
     return [sys.executable, "-m", "fairseq_specdec.bench.worker", spec_path]
 
@@ -24,9 +31,7 @@ class WorkerProcess:
         spec_path = os.path.join(self.tmp.name, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(self.spec, f)
-        threads = str(spec["threads"])
-        path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONPATH=path)
+        env = worker_environment(spec["threads"])
         self.log = open(os.path.join(self.tmp.name, "worker.log"), "w+")
         self.proc = subprocess.Popen(
             worker_command(spec_path), env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True,
