@@ -512,6 +512,23 @@ class PairedPass:
         self.main.reorder(state, new_order, new_order_host)
 
 
+class BitwisePair(PairedPass):
+    """A :class:`PairedPass` whose two passes must agree bit for bit: the
+    same log-probs (-inf slots included) and the same final states."""
+
+    def forward(self, tokens, state, needed=None, tree=None):
+        import torch
+
+        got = self.main.forward(tokens, state, needed, tree)
+        want = self.ref.forward(tokens, state, needed, tree)
+        assert torch.equal(got, want), "the two passes' log-probs differ"
+        assert torch.equal(self.main.last_features, self.ref.last_features), "the two passes' final states differ"
+        self.passes += 1
+        self.widest = max(self.widest, tokens.size(1))
+        self.ragged_passes += len(set(state.lengths_host)) > 1
+        return got
+
+
 def partly_right(ref, d):
     """A drafter that proposes the reference continuation, wrong from slot
     ``sid % (k + 1)`` on: rows accept different numbers of drafts, so their

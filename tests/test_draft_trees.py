@@ -237,6 +237,26 @@ def test_tree_passes_equal_fairseq_layers_pass_by_pass(verifier, beam1_reference
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_tree_passes_in_one_call_equal_the_stepwise_pass_bit_for_bit(verifier, beam1_reference, bsz):
+    """A tree pass as one call of the extension (the draft's depths placing
+    the position rows, its ancestors masking attention) gives exactly what
+    the fused layers give called one by one."""
+    from test_lean_verifier import StepwiseLeanVerifier
+
+    H.skip_unless_gemm("rowgemm")
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference("default", bsz)
+    paired = H.BitwisePair(LeanVerifier(model, gemm="rowgemm"), StepwiseLeanVerifier(model, gemm="rowgemm"))
+    drafter = reference_tree_drafter(H.output_tokens(ref), d, seed=5)
+    gen = tree_generator(model, drafter, d, "auto", verifier=paired)
+    assert_identical(ref, run_generator(gen, model, H.batches(task, "test", bsz)))
+    assert paired.main.whole_pass is not None
+    assert paired.passes > 0 and paired.widest > 5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", list(TREE_BACKENDS))
 def test_tree_cache_holds_only_the_accepted_path(verifier, beam1_reference, backend):
     """Poison every cache entry past each row's committed length after each

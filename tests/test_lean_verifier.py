@@ -10,6 +10,10 @@ computes the function fairseq's own layer modules compute.
   extension (the fused layer), checked the same way;
 * pre-norm and GELU decoders are computed too; decoders it cannot compute
   (NormFormer) fall back to fairseq's modules, and the log says why;
+* where every layer is fused, the whole pass runs as one call of the
+  extension (``rowgemm.DecoderPass``) and gives bit for bit what the same
+  pass gives step by step from Python; a decoder whose pass holds more
+  (an embedding layer norm, its own normalization) runs step by step;
 * ``--specdec-backend`` reaches the generator fairseq-generate builds.
 """
 
@@ -34,6 +38,15 @@ class PairedVerifier(H.PairedPass):
     @property
     def lean(self):
         return self.main
+
+
+class StepwiseLeanVerifier(LeanVerifier):
+    """The lean pass with its fused layers called one by one from Python
+    (the whole pass in one call switched off)."""
+
+    def start(self):
+        super().start()
+        self.whole_pass = None
 
 
 class ScratchPoisoningVerifier(LeanVerifier):
@@ -187,3 +200,68 @@ def test_backend_reaches_the_generator(ar_checkpoint, random_drafter_checkpoint,
             ("auto", "encoder"): native.replace(", fused C++ encoder", ""),
             ("auto", "layers"): native.replace(", fused C++ layers", "")}
     assert kinds == {k: v for k, v in want.items() if k in kinds}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", ["default", "lenpen_unkpen_temp"])
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_whole_pass_in_one_call_is_the_stepwise_pass_bit_for_bit(verifier, beam1_reference, opts, bsz):
+    """On ragged batches of drafted chains, with a temperature too: every pass
+    of the one-call pass equals the stepwise one exactly, and the strict
+    output equals ``--beam 1``."""
+    H.skip_unless_gemm("rowgemm")
+    model, task = verifier
+    d = task.target_dictionary
+    ref = beam1_reference(opts, bsz)
+    paired = H.BitwisePair(LeanVerifier(model, gemm="rowgemm"), StepwiseLeanVerifier(model, gemm="rowgemm"))
+    paired.main.temperature = paired.ref.temperature = OPTION_SETS[opts].get("temperature", 1.0)
+    got = run_generator(strict_generator(model, partly_right(ref, d), d, paired, opts=opts), model,
+                        H.batches(task, "test", bsz))
+    assert_identical(ref, got)
+    assert paired.main.whole_pass is not None and paired.ref.whole_pass is None
+    assert paired.passes > 0 and paired.widest > 1
+    if bsz > 1:
+        assert paired.ragged_passes > 0
+
+
+@pytest.mark.parametrize("extra", [(), ("--decoder-normalize-before", "--encoder-normalize-before")])
+def test_whole_pass_with_and_without_a_final_layer_norm(toy_bin, tiny_drafter, extra):
+    """Post-norm (no final norm) and pre-norm (a final LayerNorm) decoders,
+    drafts verified in chains: bit for bit the stepwise pass."""
+    H.skip_unless_gemm("rowgemm")
+    model, task = untrained_transformer(toy_bin, *extra)
+    assert (model.decoder.layer_norm is not None) == bool(extra)
+    d = task.target_dictionary
+    for bsz in (1, 5):
+        paired = H.BitwisePair(LeanVerifier(model, gemm="rowgemm"), StepwiseLeanVerifier(model, gemm="rowgemm"))
+        gen = H.make_generator(model, NATBlockDrafter(tiny_drafter[0]), d, 3, verifier=paired, max_len_a=0, max_len_b=12)
+        ref = run_generator(seq_gen(model, d, dict(max_len_a=0, max_len_b=12, min_len=1)), model, H.batches(task, "test", bsz))
+        assert_identical(ref, run_generator(gen, model, H.batches(task, "test", bsz)))
+        assert paired.main.whole_pass is not None
+        assert paired.passes > 0 and paired.widest > 1
+
+
+def test_a_pass_holding_more_runs_step_by_step(toy_bin):
+    """An embedding layer norm, or a model normalizing its own way, is not in
+    the one-call pass: the layers still run fused, one call each."""
+    H.skip_unless_gemm("rowgemm")
+    model, _ = untrained_transformer(toy_bin)
+    plain = LeanVerifier(model, gemm="rowgemm")
+    plain.start()
+    assert plain.whole_pass is not None
+
+    model, _ = untrained_transformer(toy_bin, "--layernorm-embedding")
+    lean = LeanVerifier(model, gemm="rowgemm")
+    lean.start()
+    assert lean.fused and lean.whole_pass is None
+
+    model, _ = untrained_transformer(toy_bin)
+
+    class OwnNormalization(type(model)):
+        def get_normalized_probs(self, net_output, log_probs, sample=None):
+            return super().get_normalized_probs(net_output, log_probs, sample)
+
+    model.__class__ = OwnNormalization
+    lean = LeanVerifier(model, gemm="rowgemm")
+    lean.start()
+    assert lean.fused and lean.whole_pass is None

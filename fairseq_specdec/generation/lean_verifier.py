@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.models import BaseFairseqModel, FairseqDecoder
+from fairseq.models.transformer import TransformerDecoderBase, TransformerModelBase
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..kernels import rowgemm
@@ -199,6 +200,33 @@ def fusable_layer(layer) -> bool:
     return rowgemm.fused_layer_available() and layer.activation_fn is F.relu and rowgemm.fusable_norms(norms)
 
 
+def whole_pass_fits(model, adaptive_softmax: bool) -> bool:
+    """Whether a verify pass of ``model``'s decoder computes nothing but what
+    :class:`~fairseq_specdec.kernels.rowgemm.DecoderPass` does around its
+    fused layers: inputs ``embed_scale * embed_tokens(tokens)`` plus a
+    position row (no quantization noise, input projection, embedding layer
+    norm or dropout at inference), at most an affine final ``LayerNorm``, no
+    output projection of another width or adaptive softmax, and fairseq's
+    own log-softmax (``get_normalized_probs`` not overridden)."""
+    dec = model.decoder
+    m, d = type(model), type(dec)
+    fairseq_normalization = (
+        m.get_normalized_probs in (BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs)
+        and m.get_normalized_probs_scriptable is BaseFairseqModel.get_normalized_probs_scriptable
+        and d.get_normalized_probs is FairseqDecoder.get_normalized_probs
+        and d.get_normalized_probs_scriptable is FairseqDecoder.get_normalized_probs_scriptable
+        and not getattr(dec, "onnx_trace", False)
+    )
+    embed = getattr(dec, "embed_tokens", None)
+    return (
+        rowgemm.decoder_pass_available() and fairseq_normalization and not adaptive_softmax
+        and type(embed) is torch.nn.Embedding and embed.max_norm is None
+        and dec.quant_noise is None and dec.project_in_dim is None and dec.project_out_dim is None
+        and dec.layernorm_embedding is None and not getattr(dec.dropout_module, "apply_during_inference", False)
+        and (dec.layer_norm is None or rowgemm.fusable_norms([dec.layer_norm]))
+    )
+
+
 class LeanVerifier(VerifyPass):
     """The lean verify pass: same interface and output as its sibling
     :class:`~fairseq_specdec.generation.verifier.CachedVerifier`.
@@ -251,6 +279,9 @@ class LeanVerifier(VerifyPass):
         #: a draft tree's accepted cache entries moved by one call of the
         #: extension (where it is built), else by tensor indexing
         self.native_moves = fused_layers and rowgemm.move_cache_entries_available()
+        #: the whole pass of a batch in one call of the extension where every
+        #: layer is fused and the rest fits (made with the layers, in start)
+        self.whole_pass: Optional[rowgemm.DecoderPass] = None
         dec = self.decoder
         #: the encoder as fused C++ layers, else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
@@ -290,6 +321,10 @@ class LeanVerifier(VerifyPass):
             # --decoder-output-dim: laid out as the other products, not a few-row F.linear per pass
             self.project_out = (make_linear(out_dim.weight, out_dim.bias, self.gemm, precision=self.precision)
                                 if out_dim is not None else None)
+            fused = [lw.fused for lw in self.layers]
+            self.whole_pass = (rowgemm.DecoderPass(fused, self.output)
+                               if isinstance(self.output, rowgemm.PackedLinear) and all(f is not None for f in fused)
+                               and whole_pass_fits(self.model, self.adaptive_softmax) else None)
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None
@@ -372,6 +407,16 @@ class LeanVerifier(VerifyPass):
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None, tree=None) -> Tensor:
         bsz, m = tokens.shape
         lengths_host = state.lengths_host
+        if self.whole_pass is not None and self.use_fused and needed is None and not self.decoder.training:
+            self._prepare(state, max(lengths_host) + m)
+            dec = self.decoder
+            lprobs, self.last_features = self.whole_pass(
+                tokens, None if tree is None else tree.depths, torch.tensor(lengths_host, dtype=torch.long),
+                dec.embed_tokens.weight, dec.embed_scale, self.position_table, self.keys, self.values, self.cross,
+                self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None,
+                None if tree is None else tree.ancestors.contiguous(), dec.layer_norm, self.temperature,
+            )
+            return lprobs
         x = self._embed(tokens, state.lengths, None if tree is None else tree.depths)
 
         start = lengths_host[0]

@@ -191,6 +191,57 @@ def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: floa
 _NO_STARTS = torch.zeros(0, dtype=torch.long)
 
 
+def decoder_pass_available() -> bool:
+    """Whether the extension has the whole verify pass in one call (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "decoder_pass")
+
+
+class DecoderPass:
+    """A whole verify pass of a decoder in one call of the extension
+    (``decoder_pass`` in ``csrc/rowgemm.cpp``): the new tokens' inputs (the
+    scaled embedding plus each slot's position row), every
+    :class:`FusedDecoderLayer`, the optional final layer norm, the
+    vocabulary projection ``output`` (a :class:`PackedLinear`), the
+    temperature and the float32 log-softmax.  Each step is the operation the
+    Python pass runs (the same ATen operations for the inputs, the norm and
+    the log-softmax; the same native layers and products), so its output is
+    bitwise that pass's; what it saves is the Python between the steps.
+
+    The layers' packed weights and norms are those of ``layers`` (a
+    snapshot, rebuilt with them); the embedding, position table and final
+    norm are passed at each call, read live from the decoder."""
+
+    def __init__(self, layers, output: "PackedLinear"):
+        self.tensors, self.scalars = [], []
+        for layer in layers:
+            (qkv, sa_out, ca_q, ca_out, fc1, fc2), (sa_ln, ca_ln, final_ln) = layer.weights, layer.norms
+            self.tensors += [*qkv, *sa_out, *sa_ln, *ca_q, *ca_out, *ca_ln, *fc1, *fc2, *final_ln]
+            self.scalars += [float(layer.heads), layer.scaling, float(layer.c_heads), layer.c_scaling,
+                             float(layer.normalize_before), layer.eps]
+        self.output = output
+
+    def __call__(self, tokens: Tensor, depths: Optional[Tensor], starts: Tensor, embed_weight: Tensor,
+                 embed_scale: float, positions: Optional[Tensor], keys, values, cross, enc_pad: Optional[Tensor],
+                 tree: Optional[Tensor], final_norm=None, temperature: float = 1.0):
+        """``(log-probs B x m x V, features B x m x C)`` of the new
+        ``tokens`` (B x m; ``depths``: a draft tree's B x m node depths, or
+        None for a chain), row r's first at position ``starts[r]`` (host
+        int64); ``keys``/``values``: each layer's cache (written in place),
+        ``cross``: each layer's encoder keys and values; ``final_norm``: the
+        decoder's final ``LayerNorm`` or None; ``temperature`` divides the
+        logits (unless 1)."""
+        norm_w = norm_b = None
+        eps = 1e-5
+        if final_norm is not None:
+            norm_w, norm_b, eps = final_norm.weight, final_norm.bias, float(final_norm.eps)
+        out = self.output
+        return _ext.decoder_pass(
+            tokens, depths, starts, embed_weight, float(embed_scale), positions, self.tensors, self.scalars,
+            keys, values, [c[0] for c in cross], [c[1] for c in cross], enc_pad, tree, norm_w, norm_b, eps,
+            out.packed, out.out_features, out.bias, float(temperature),
+        )
+
+
 def fused_encoder_layer_available() -> bool:
     """Whether the extension has the fused encoder layer (an older build may not)."""
     return unavailable_reason() is None and hasattr(_ext, "encoder_layer")

@@ -835,6 +835,67 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
   return out;
 }
 
+// A whole verify pass of the decoder in one call, for the fused path of
+// LeanVerifier.forward (lean_verifier.py), which decides when it applies: the
+// new tokens' inputs, every layer (decoder_layer), the optional final layer
+// norm, the vocabulary projection (linear) and the log-softmax.  The same
+// computation as that path's Python, operation for operation: the inputs
+// through the same ATen operations (embedding, the scale, the position rows
+// added), the final norm through at::layer_norm and the log-probs through
+// at::log_softmax in float32 as fairseq's get_normalized_probs, so the
+// result is bitwise that of the Python path; only the Python between the
+// calls is gone.
+//
+// tokens, depths: B x m int64 (depths: a draft tree's node depths, or
+// undefined for a chain: slot j at depth j); starts: B int64, each row's
+// first new position (its length) on the host; layers: per layer its 18
+// tensors in decoder_layer's order (qkv w/b, sa_out w/b, sa_ln w/b, ca_q w/b,
+// ca_out w/b, ca_ln w/b, fc1 w/b, fc2 w/b, final_ln w/b) and its 6 scalars
+// (heads, scaling, c_heads, c_scaling, normalize_before, eps); keys, values,
+// cross_keys, cross_values: per layer.  Returns (log-probs B x m x V float32,
+// the last layer's output after the final norm, B x m x C).
+std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
+    const torch::Tensor& tokens, const c10::optional<torch::Tensor>& depths, const torch::Tensor& starts,
+    const torch::Tensor& embed_w, double embed_scale, const c10::optional<torch::Tensor>& pos_table,
+    const std::vector<torch::Tensor>& layers, const std::vector<double>& scalars,
+    const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+    const std::vector<torch::Tensor>& cross_keys, const std::vector<torch::Tensor>& cross_values,
+    const c10::optional<torch::Tensor>& enc_pad, const c10::optional<torch::Tensor>& tree,
+    const c10::optional<torch::Tensor>& final_ln_w, const c10::optional<torch::Tensor>& final_ln_b, double final_eps,
+    const torch::Tensor& out_packed, int64_t vocab, const c10::optional<torch::Tensor>& out_bias, double temperature) {
+  constexpr size_t kTensors = 18, kScalars = 6;
+  const size_t L = keys.size();
+  TORCH_CHECK(layers.size() == L * kTensors && scalars.size() == L * kScalars && values.size() == L &&
+                  cross_keys.size() == L && cross_values.size() == L,
+              "decoder_pass: ", L, " layers need ", kTensors, " tensors, ", kScalars,
+              " scalars, keys, values and encoder keys and values each");
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "decoder_pass: tokens must be B x m int64");
+  const int64_t m = tokens.size(1);
+  // the inputs: scale * embed[tokens] + positions[start + depth], as VerifyPass._embed
+  torch::Tensor x = at::embedding(embed_w, tokens).mul(embed_scale);
+  if (pos_table.has_value() && pos_table->defined()) {
+    const torch::Tensor offsets = depths.has_value() && depths->defined()
+        ? *depths : torch::arange(m, tokens.options());
+    torch::Tensor index = starts.to(tokens.device()).unsqueeze(1) + offsets;
+    index = index.clamp_(c10::nullopt, pos_table->size(0) - 1);
+    x = x + pos_table->index({index});
+  }
+  x = x.to(torch::kFloat).contiguous();
+  for (size_t l = 0; l < L; ++l) {
+    const torch::Tensor* t = layers.data() + l * kTensors;
+    const double* s = scalars.data() + l * kScalars;
+    x = decoder_layer(x, starts, t[0], t[1], t[2], t[3], t[4], t[5], keys[l], values[l],
+                      static_cast<int64_t>(s[0]), s[1], t[6], t[7], t[8], t[9], t[10], t[11], cross_keys[l],
+                      cross_values[l], enc_pad, static_cast<int64_t>(s[2]), s[3], t[12], t[13], t[14], t[15],
+                      t[16], t[17], s[4] != 0.0, s[5], tree);
+  }
+  if (final_ln_w.has_value() && final_ln_w->defined())
+    x = at::layer_norm(x, {x.size(-1)}, *final_ln_w, *final_ln_b, final_eps);
+  torch::Tensor logits = linear(x, out_packed, vocab, out_bias, 0);
+  if (temperature != 1.0) logits = logits.div_(temperature);
+  return {at::log_softmax(logits, -1, torch::kFloat), x};
+}
+
 namespace {
 
 #ifdef ROWGEMM_X86
@@ -978,6 +1039,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out_features"), pybind11::arg("bias") = c10::nullopt, pybind11::arg("activation") = 0);
   m.def("decoder_layer", &decoder_layer,
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
+  m.def("decoder_pass", &decoder_pass,
+        "a whole verify pass of the decoder: inputs, every fused layer, final norm, projection, log-softmax");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
   m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
   m.def("draft_pick", &draft_pick,
