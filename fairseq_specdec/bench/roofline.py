@@ -7,7 +7,9 @@ weights), on ``--threads`` threads (default 1):
 
 * the machine: the float32 matrix-product peak (a 1024-cube product) and the
   read bandwidth over a buffer the size of the decoder's weights (so a
-  verifier whose weights fit in the caches is judged by the caches' speed);
+  verifier whose weights fit in the caches is judged by the caches' speed),
+  both timed in the same rounds as the passes, so that the ideal and the
+  measured products come from the same minutes of the machine;
 * for each product implementation the lean verify pass can use
   (torch's, and where the extension runs the native ``rowgemm``) and
   m = 1 ... ``--max-m``: the measured cost of one verify pass of m tokens at
@@ -105,20 +107,25 @@ def interleaved_best_ms(fns: Dict[str, Callable[[], object]], seconds: float = 1
     return best
 
 
-def machine_peak_gflops() -> float:
-    """float32 GFLOP/s of a 1024 x 1024 x 1024 product on the current threads."""
+#: floating-point operations of the peak probe, a 1024-cube product
+PEAK_FLOP = 2 * 1024 ** 3
+
+
+def peak_probe() -> Callable[[], object]:
+    """A float32 1024 x 1024 x 1024 product on the current threads (its
+    :data:`PEAK_FLOP` over its time: the product peak)."""
     import torch
 
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    return 2 * 1024 ** 3 / (best_ms(lambda: torch.mm(a, b)) * 1e-3) / 1e9
+    return lambda: torch.mm(a, b)
 
 
-def read_bandwidth_gbs(nbytes: int) -> float:
-    """GB/s of reading a float32 buffer of ``nbytes`` (summed, warm)."""
+def read_probe(nbytes: int) -> Callable[[], object]:
+    """A sum over a float32 buffer of ``nbytes`` (warm: read again at each call)."""
     import torch
 
     buf = torch.ones(max(1, nbytes // 4))
-    return buf.numel() * 4 / (best_ms(lambda: buf.sum()) * 1e-3) / 1e9
+    return lambda: buf.sum()
 
 
 def op_overhead_ms() -> float:
@@ -247,32 +254,28 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
     if gemms is None:
         gemms = ["torch"] + (["rowgemm"] if rowgemm.applies_to(weight) else [])
     sizes = decoder_weights(model)
-    peak = machine_peak_gflops()
-    bandwidth = read_bandwidth_gbs(sizes["bytes"])
     overhead = op_overhead_ms()
     ms_range = range(1, max_m + 1)
-    ideal = {}
-    for m in ms_range:
-        read = sizes["bytes"] / (bandwidth * 1e9)
-        arithmetic = 2 * m * sizes["params"] / (peak * 1e9)
-        ideal[str(m)] = max(read, arithmetic) * 1e3
     machine = describe()
     result = {
         "threads": torch.get_num_threads(),
-        "machine": {**machine, "peak_gflops": round(peak, 1), "read_gbs": round(bandwidth, 1),
-                    "op_overhead_us": round(overhead * 1e3, 2)},
+        "machine": {**machine, "op_overhead_us": round(overhead * 1e3, 2)},
         "isa": machine["plugin_isa"],
         "weights": {"params": sizes["params"], "mbytes": round(sizes["bytes"] / 2 ** 20, 1)},
         "prefix": prefix,
         "default_gemm": default,
-        "ideal_products_ms": {k: round(v, 4) for k, v in ideal.items()},
         "by_gemm": {},
     }
+    # the machine's peak and read speed are timed in the same rounds as the
+    # passes (their fastest over all rounds), so that a machine whose speed
+    # or cache share drifts judges the products by what it did meanwhile
+    probes = {("peak",): peak_probe(), ("read",): read_probe(sizes["bytes"])}
+    fastest = {name: float("inf") for name in probes}
     with torch.no_grad():
         for gemm in gemms:
             bench = _PassBench(model, gemm, prefix, src_len)
             rows = {"verify_ms": {}, "products_ms": {}, "rest_ms": {}, "ops": {}, "tree_ms": {}}
-            fns = {}
+            fns = dict(probes)
             for m in ms_range:
                 calls = bench.products(m)
                 fns[("pass", m)] = lambda m=m: bench.run(m)
@@ -280,6 +283,8 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
             for n in TREE_SIZES:
                 fns[("tree", n)] = lambda n=n: bench.run_tree(n)
             timed = interleaved_best_ms(fns, seconds)
+            for name in probes:
+                fastest[name] = min(fastest[name], timed[name])
             for n in TREE_SIZES:
                 rows["tree_ms"][str(n)] = round(timed[("tree", n)], 4)
             rows["tree_ratio_to_1"] = {k: round(v / rows["tree_ms"]["1"], 3) for k, v in rows["tree_ms"].items()}
@@ -295,6 +300,15 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
             # a draft of k tokens verifies k + 1: it must add this many tokens per iteration
             rows["break_even_tok"] = {str(k): round(rows["verify_ms"][str(k + 1)] / one, 3) for k in range(1, max_m)}
             result["by_gemm"][gemm] = rows
+    peak = PEAK_FLOP / (fastest[("peak",)] * 1e-3) / 1e9
+    bandwidth = sizes["bytes"] / (fastest[("read",)] * 1e-3) / 1e9
+    result["machine"].update(peak_gflops=round(peak, 1), read_gbs=round(bandwidth, 1))
+    ideal = {}
+    for m in ms_range:
+        read = sizes["bytes"] / (bandwidth * 1e9)
+        arithmetic = 2 * m * sizes["params"] / (peak * 1e9)
+        ideal[str(m)] = max(read, arithmetic) * 1e3
+    result["ideal_products_ms"] = {k: round(v, 4) for k, v in ideal.items()}
     chosen = result["by_gemm"][default] if default in result["by_gemm"] else next(iter(result["by_gemm"].values()))
     result["verify_ms"] = chosen["verify_ms"]
     result["tree_ms"] = chosen["tree_ms"]
