@@ -217,7 +217,7 @@ def whole_pass_fits(model, adaptive_softmax: bool) -> bool:
         and d.get_normalized_probs_scriptable is FairseqDecoder.get_normalized_probs_scriptable
         and not getattr(dec, "onnx_trace", False)
     )
-    embed = getattr(dec, "embed_tokens", None)
+    embed = dec.embed_tokens
     return (
         rowgemm.decoder_pass_available() and fairseq_normalization and not adaptive_softmax
         and type(embed) is torch.nn.Embedding and embed.max_norm is None
