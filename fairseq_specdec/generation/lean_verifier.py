@@ -329,6 +329,15 @@ class LeanVerifier(VerifyPass):
         self.cross = None
         self.enc_mask = None
 
+    def timed_parts(self, k: int):
+        """The profiler's parts (``VerifyPass.timed_parts``); where the whole
+        pass runs as one call, the vocabulary projection runs inside it and
+        is timed only in the passes that still call it (a ragged pass that
+        projects some slots only, or one with the native layers off)."""
+        inside = self.fused and whole_pass_fits(self.model, self.adaptive_softmax)
+        for part in super().timed_parts(k):
+            yield (*part[:3], False) if inside and part[1] == "logits" else part
+
     @property
     def fused(self) -> bool:
         """Whether every layer runs as one call of the C++ extension

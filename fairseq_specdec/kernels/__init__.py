@@ -33,7 +33,7 @@ from torch import Tensor
 PARTS = {
     "products": "the verify pass's products through the row-blocked kernel (off: torch's products, and no "
                 "other part of the verify pass below)",
-    "layers": "each decoder layer of the verify pass as one call",
+    "layers": "each decoder layer of the verify pass as one call, and the whole pass as one call where it fits",
     "encoder": "each encoder layer as one call",
     "accept": "fairseq's rules, the greedy picks and strict acceptance as one call",
     "bf16": "specdec_vsd drafter weights packed in bfloat16",
