@@ -321,10 +321,7 @@ class LeanVerifier(VerifyPass):
             # --decoder-output-dim: laid out as the other products, not a few-row F.linear per pass
             self.project_out = (make_linear(out_dim.weight, out_dim.bias, self.gemm, precision=self.precision)
                                 if out_dim is not None else None)
-            fused = [lw.fused for lw in self.layers]
-            self.whole_pass = (rowgemm.DecoderPass(fused, self.output)
-                               if isinstance(self.output, rowgemm.PackedLinear) and all(f is not None for f in fused)
-                               and whole_pass_fits(self.model, self.adaptive_softmax) else None)
+            self.whole_pass = rowgemm.DecoderPass([lw.fused for lw in self.layers], self.output) if self.one_call else None
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None
@@ -334,9 +331,16 @@ class LeanVerifier(VerifyPass):
         pass runs as one call, the vocabulary projection runs inside it and
         is timed only in the passes that still call it (a ragged pass that
         projects some slots only, or one with the native layers off)."""
-        inside = self.fused and whole_pass_fits(self.model, self.adaptive_softmax)
         for part in super().timed_parts(k):
-            yield (*part[:3], False) if inside and part[1] == "logits" else part
+            yield (*part[:3], False) if self.one_call and part[1] == "logits" else part
+
+    @property
+    def one_call(self) -> bool:
+        """Whether the whole pass runs as one call of the extension
+        (:class:`~fairseq_specdec.kernels.rowgemm.DecoderPass`, made in
+        :meth:`start`): every layer fused, the vocabulary projection laid out
+        for the kernel, and nothing else in the pass (:func:`whole_pass_fits`)."""
+        return self.fused and self._projection is not None and whole_pass_fits(self.model, self.adaptive_softmax)
 
     @property
     def fused(self) -> bool:
@@ -416,30 +420,27 @@ class LeanVerifier(VerifyPass):
     def forward(self, tokens: Tensor, state, needed: Optional[Tensor] = None, tree=None) -> Tensor:
         bsz, m = tokens.shape
         lengths_host = state.lengths_host
-        if self.whole_pass is not None and self.use_fused and needed is None and not self.decoder.training:
-            self._prepare(state, max(lengths_host) + m)
-            dec = self.decoder
-            lprobs, self.last_features = self.whole_pass(
-                tokens, None if tree is None else tree.depths, torch.tensor(lengths_host, dtype=torch.long),
-                dec.embed_tokens.weight, dec.embed_scale, self.position_table, self.keys, self.values, self.cross,
-                self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None,
-                None if tree is None else tree.ancestors.contiguous(), dec.layer_norm, self.temperature,
-            )
-            return lprobs
-        x = self._embed(tokens, state.lengths, None if tree is None else tree.depths)
-
-        start = lengths_host[0]
-        uniform = tree is None and all(n == start for n in lengths_host)
+        depths = None if tree is None else tree.depths
         width = max(lengths_host) + m
         self._prepare(state, width)
         if self.use_fused and all(lw.fused is not None for lw in self.layers):
             starts = torch.tensor(lengths_host, dtype=torch.long)
             pad = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
             ancestors = None if tree is None else tree.ancestors.contiguous()
-            x = x.float().contiguous()
+            if self.whole_pass is not None and needed is None and not self.decoder.training:
+                dec = self.decoder
+                lprobs, self.last_features = self.whole_pass(
+                    tokens, depths, starts, dec.embed_tokens.weight, dec.embed_scale, self.position_table,
+                    self.keys, self.values, self.cross, pad, ancestors, dec.layer_norm, self.temperature,
+                )
+                return lprobs
+            x = self._embed(tokens, state.lengths, depths).float().contiguous()
             for i, lw in enumerate(self.layers):
                 x = lw.fused(x, starts, self.keys[i], self.values[i], self.cross[i], pad, ancestors)
             return self._finish(x, needed)
+        x = self._embed(tokens, state.lengths, depths)
+        start = lengths_host[0]
+        uniform = tree is None and all(n == start for n in lengths_host)
         # which cache positions each new token sees: a row's own prefix and
         # its inputs up to itself (a tree: its ancestors and itself); an
         # additive mask shared by every layer
