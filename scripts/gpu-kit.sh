@@ -13,11 +13,22 @@
 #             folder of the Multi30k recipe, e.g. make demo's), so that the
 #             GPU run benchmarks them and trains nothing
 #   MANIFEST.txt  what is in the kit, its size, the commit it was made from
+#   kit.tar.xz    with --xz only: all of the above in one archive, which
+#             scripts/gpu-run.sh unpacks where it finds no data/ beside it
+#             (carry .gpu-kit/kit.tar.xz alone: a kit with CTranslate2 fits
+#             in what travels only so)
 # The run script and the configs are in the checkout, which travels with the kit.
 #
-# Usage: scripts/gpu-kit.sh [--out DIR] [--no-wheels] [--models RUN_DIR [--half-weights]]
+# Usage: scripts/gpu-kit.sh [--out DIR] [--no-wheels] [--ct2] [--xz] [--models RUN_DIR [--half-weights]]
 #   --out DIR        the kit folder (default .gpu-kit, ignored by git)
 #   --no-wheels      skip the wheel download (a kit for a machine that has fairseq)
+#   --ct2            also the ctranslate2 wheel (the version installed here,
+#                    else 4.8.5; 43 MB), for the CTranslate2 rows of
+#                    scripts/gpu-run.sh's host phase
+#   --xz             also pack the kit into DIR/kit.tar.xz, the wheels stored
+#                    uncompressed inside so that xz shrinks their libraries
+#                    (with --ct2: 50 MiB against 80 loose); KIT_MAX_MB then
+#                    bounds the archive
 #   --models RUN_DIR pack the models KIT_MODELS names from RUN_DIR (verifier/
 #                    checkpoint_best.pt, vsd/checkpoint_last.pt, blockwise/
 #                    checkpoint_best.pt, drafter/checkpoint_selected.pt) into
@@ -30,7 +41,7 @@
 # Environment: PYTHON (python), PIP (default "$PYTHON -m pip"), DATA (the
 #   prepared data, default data/multi30k.en-de, made when missing),
 #   MULTI30K_RAW (see prepare-multi30k.sh), KIT_MAX_MB (48: the kit travels
-#   with the checkout, at most 64 MiB together; with --models 60),
+#   with the checkout, at most 64 MiB together; with --models or --xz 60),
 #   KIT_MODELS (with --models: "verifier vsd blockwise", any of those and
 #   drafter).
 # Idempotent: wheels already downloaded and data already prepared are kept.
@@ -38,11 +49,13 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 
-KIT=$HERE/.gpu-kit WHEELS=1 MODELS="" HALF=""
+KIT=$HERE/.gpu-kit WHEELS=1 MODELS="" HALF="" CT2=0 XZ=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) [ $# -ge 2 ] || { echo "gpu-kit.sh: --out needs a folder" >&2; exit 2; }; KIT=$2; shift ;;
     --no-wheels) WHEELS=0 ;;
+    --ct2) CT2=1 ;;
+    --xz) XZ=1 ;;
     --models) [ $# -ge 2 ] || { echo "gpu-kit.sh: --models needs a run folder" >&2; exit 2; }; MODELS=$2; shift ;;
     --half-weights) HALF=--half-weights ;;
     -h|--help) usage; exit 0 ;;
@@ -69,6 +82,10 @@ if [ -n "$MODELS" ]; then
   done
 fi
 WHEEL_LIST=$HERE/configs/gpu-kit-wheels.txt
+if [ "$CT2" = 1 ]; then
+  [ "$WHEELS" = 1 ] || { echo "gpu-kit.sh: --ct2 adds a wheel; it cannot go with --no-wheels" >&2; exit 2; }
+  CT2_VERSION=$("$PY" -c "import ctranslate2; print(ctranslate2.__version__)" 2>/dev/null || echo 4.8.5)
+fi
 SRC=en TGT=de
 T0=$(date +%s) LOG_TAG=gpu-kit OUT=$KIT
 # shellcheck source=recipe-lib.sh
@@ -137,10 +154,11 @@ if [ "$WHEELS" = 1 ]; then
         "${platforms[@]}" -d "$KIT/wheels" "$spec"
     fi
     ls "$KIT/wheels" | grep -qi "^$pattern" || { echo "gpu-kit.sh: no wheel of $spec in $KIT/wheels" >&2; exit 1; }
-  done < "$WHEEL_LIST"
+  done < <(cat "$WHEEL_LIST"; [ "$CT2" = 0 ] || echo "ctranslate2==$CT2_VERSION")
 fi
 
-# 3. the manifest, and the size check
+# 3. the manifest, the archive (--xz), and the size check
+rm -f "$KIT/kit.tar.xz"
 kb=$(du -sk "$KIT" --exclude=MANIFEST.txt | cut -f1)
 {
   echo "GPU kit for scripts/gpu-run.sh, made $(date -u +%Y-%m-%d) from commit $(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -150,8 +168,34 @@ kb=$(du -sk "$KIT" --exclude=MANIFEST.txt | cut -f1)
     printf '%10d  %s\n' "$(stat -c %s "$f")" "${f#./}"
   done)
 } > "$KIT/MANIFEST.txt"
+if [ "$XZ" = 1 ]; then
+  MAX_MB=${KIT_MAX_MB:-60}  # the archive travels alone
+  # wheels are zip files of deflated members, which xz cannot shrink further:
+  # each is re-stored uncompressed (the same files; pip reads either) first
+  log "packing the kit into $KIT/kit.tar.xz"
+  stage=$(mktemp -d)
+  trap 'rm -rf "$stage"' EXIT
+  (cd "$KIT" && find . -mindepth 1 -maxdepth 1 ! -name wheels ! -name kit.tar.xz -exec cp -r {} "$stage/" \;)
+  if [ -d "$KIT/wheels" ]; then
+    mkdir -p "$stage/wheels"
+    for w in "$KIT"/wheels/*.whl; do
+      "$PY" - "$w" "$stage/wheels/$(basename "$w")" <<'PYEOF'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as src, zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_STORED) as dst:
+    for info in src.infolist():
+        data = src.read(info)
+        info.compress_type = zipfile.ZIP_STORED
+        dst.writestr(info, data)
+PYEOF
+    done
+  fi
+  tar -C "$stage" -cf - . | xz -T0 -6 > "$KIT/kit.tar.xz.part"
+  mv "$KIT/kit.tar.xz.part" "$KIT/kit.tar.xz"
+  kb=$(du -sk "$KIT/kit.tar.xz" | cut -f1)
+  log "kit.tar.xz: $((kb / 1024)) MiB (carry .gpu-kit/kit.tar.xz alone; scripts/gpu-run.sh unpacks it)"
+fi
 if [ "$kb" -gt $((MAX_MB * 1024)) ]; then
-  echo "gpu-kit.sh: the kit is $((kb / 1024)) MiB, more than KIT_MAX_MB=$MAX_MB (it travels with the checkout, 64 MiB at most)" >&2
+  echo "gpu-kit.sh: the kit$([ "$XZ" = 1 ] && echo " (kit.tar.xz)") is $((kb / 1024)) MiB, more than KIT_MAX_MB=$MAX_MB (it travels with the checkout, 64 MiB at most)" >&2
   exit 1
 fi
 [ "$WHEELS" = 1 ] || log "no wheels (--no-wheels): the GPU machine must have fairseq-fixed and its needs"

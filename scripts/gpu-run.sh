@@ -18,6 +18,18 @@
 #          --beam 1 in the same precision
 #   batched  the same at batch 8 and 64 (KIT_BATCHED), without relaxed rows,
 #          every row of the plugin again with FAIRSEQ_SPECDEC_OFF=graphs
+#   host   the CPU rows at the kit's model size, on the machine's own cores:
+#          scripts/interleave.py, 1 thread, batch 1, the first HOST_LIMIT
+#          (300) test sentences, HOST_ROUNDS (1) rounds taken batch by batch:
+#          loop-greedy, ngram (drafting from the distillation), self-draft,
+#          loop-greedy on the AVX-512 products where the CPU has them
+#          (FAIRSEQ_SPECDEC_ISA=avx512, a process of its own), and CTranslate2
+#          float32 and int8 where the kit has ctranslate2 (gpu-kit.sh --ct2);
+#          every row's output compared with loop-greedy's. It first builds the
+#          plugin's C++ extension in place (the kit carries none), then waits
+#          for the verifier and the distillation, so that it can run beside
+#          phase train once that phase's setup is done (HOST_CPUS: the cores
+#          it is pinned to, e.g. 12-15); results host-cpu.md, host-cpu.json
 # Everything it reports goes to OUT_DIR, at most 8 files: gpu-run.log (this
 # run's log), env.txt, summary.md (machine, stage times, what each training
 # reached, the tables and the ratios of the GPU targets), results.md and
@@ -27,10 +39,10 @@
 # machine goes on where the first stopped: every stage is skipped when its
 # output exists.
 #
-# Usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched] [--kit DIR] OUT_DIR
+# Usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched|host] [--kit DIR] OUT_DIR
 #   --dry-run  print every command with its budget and run nothing (no kit or
 #              GPU needed)
-#   --phase    all (default: the three below), train, bench or batched: where
+#   --phase    all (default: the four above), train, bench, batched or host: where
 #              a command may run only minutes, one phase per command, in order
 #   --kit DIR  the kit folder (default .gpu-kit); a kit made with --models
 #              (scripts/gpu-kit.sh) carries trained models in DIR/run: RUN is
@@ -51,7 +63,7 @@ DRY=0 PHASE=all KIT=$HERE/.gpu-kit RESULTS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run|-n) DRY=1 ;;
-    --phase) [ $# -ge 2 ] || { echo "gpu-run.sh: --phase needs all, train, bench or batched" >&2; exit 2; }; PHASE=$2; shift ;;
+    --phase) [ $# -ge 2 ] || { echo "gpu-run.sh: --phase needs all, train, bench, batched or host" >&2; exit 2; }; PHASE=$2; shift ;;
     --kit) [ $# -ge 2 ] || { echo "gpu-run.sh: --kit needs a folder" >&2; exit 2; }; KIT=$2; shift ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "gpu-run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
@@ -60,12 +72,17 @@ while [ $# -gt 0 ]; do
   shift
 done
 case "$PHASE" in
-  all) PHASES=(train bench batched) ;;
-  train|bench|batched) PHASES=("$PHASE") ;;
-  *) echo "gpu-run.sh: --phase must be all, train, bench or batched, got '$PHASE'" >&2; exit 2 ;;
+  all) PHASES=(train bench batched host) ;;
+  train|bench|batched|host) PHASES=("$PHASE") ;;
+  *) echo "gpu-run.sh: --phase must be all, train, bench, batched or host, got '$PHASE'" >&2; exit 2 ;;
 esac
-[ -n "$RESULTS" ] || { echo "usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched] [--kit DIR] OUT_DIR" >&2; exit 2; }
+[ -n "$RESULTS" ] || { echo "usage: scripts/gpu-run.sh [--dry-run] [--phase all|train|bench|batched|host] [--kit DIR] OUT_DIR" >&2; exit 2; }
 KIT=$(cd "$(dirname "$KIT")" && pwd)/$(basename "$KIT")
+# a kit packed with --xz (scripts/gpu-kit.sh) travels as KIT/kit.tar.xz alone
+if [ "$DRY" = 0 ] && [ -f "$KIT/kit.tar.xz" ] && [ ! -d "$KIT/data/raw" ]; then
+  echo "gpu-run.sh: unpacking $KIT/kit.tar.xz"
+  tar -xJf "$KIT/kit.tar.xz" -C "$KIT"
+fi
 
 export CONFIG=${CONFIG:-$HERE/configs/multi30k-gpu-kit.sh}
 [ -f "$CONFIG" ] || { echo "gpu-run.sh: no such config: $CONFIG" >&2; exit 2; }
@@ -77,7 +94,7 @@ export MODELS_GIVEN=0
 if [ -d "$KIT/run" ]; then
   MODELS_GIVEN=1
   export RUN=${RUN:-$KIT/run}
-  [ "$PHASE" = all ] && PHASES=(bench batched)
+  [ "$PHASE" = all ] && PHASES=(bench batched host)
 fi
 export RUN=${RUN:-$HERE/runs/gpu-kit.$KIT_MODEL}
 export SITE=${SITE:-/tmp/gpu-kit-site}
@@ -91,6 +108,47 @@ TRAIN_STAGES="verifier distill vsd+blockwise"
 case " ${BENCH_DRAFTERS:-vsd} " in
   *" paper "*) TRAIN_STAGES="verifier distill vsd+blockwise+drafter average" ;;
 esac
+TRAIN_STAGES=${KIT_TRAIN_STAGES:-$TRAIN_STAGES}
+
+# host_rows [--dry-run]: phase host (see the usage above)
+host_rows() {
+  local dry=0; [ "${1:-}" = --dry-run ] && dry=1
+  local rows=(--row "loop-greedy=--decoding loop-greedy" --row "ngram=--decoding ngram"
+              --row "self-draft=--decoding self-draft")
+  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+    rows+=(--process-row "loop-greedy-avx512=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512")
+  fi
+  local ct2=()
+  if [ "$dry" = 1 ] || "$PYTHON" -c "import ctranslate2" 2>/dev/null; then ct2=(--ct2 --ct2-int8); fi
+  local pin=()
+  if [ -n "${HOST_CPUS:-}" ]; then
+    if [ "$dry" = 1 ] || command -v taskset > /dev/null; then pin=(taskset -c "$HOST_CPUS")
+    else log "host: no taskset here: the rows run on any core (HOST_CPUS=$HOST_CPUS not applied)"; fi
+  fi
+  local build=("$PYTHON" setup.py build_ext --inplace)
+  local cmd=("${pin[@]}" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PYTHON" "$HERE/scripts/interleave.py"
+             --data "$RUN/distill/bin" --verifier "$RUN/verifier/checkpoint_best.pt" --src en --tgt de
+             --subset test --limit "${HOST_LIMIT:-300}" --batch-size 1 --rounds "${HOST_ROUNDS:-1}" --by-batch
+             "${rows[@]}" "${ct2[@]}" --json "$RESULTS/host-cpu.json")
+  if [ "$dry" = 1 ]; then
+    echo "(cd $(quote "$HERE") && $(quote "${build[@]}"))   # unless the extension is built"
+    echo "# wait for $RUN/verifier/DONE and $RUN/distill/bin"
+    echo "$(quote "${cmd[@]}") > $(quote "$RESULTS/host-cpu.md")"
+    return
+  fi
+  if ! "$PYTHON" -c "import sys, fairseq_specdec.kernels as k; sys.exit(k.unavailable_reason() is not None)" 2>/dev/null; then
+    log "host: building the plugin's C++ extension in place (log: $RESULTS/host-build.log)"
+    (cd "$HERE" && "${build[@]}") > "$RESULTS/host-build.log" 2>&1 || true
+    "$PYTHON" -c "import sys, fairseq_specdec.kernels as k; r = k.unavailable_reason(); print(r or 'the native kernels run here: ' + k.isa()); sys.exit(r is not None)" \
+      || log "host: WARNING: the rows run on torch's products (see $RESULTS/host-build.log)"
+  fi
+  if [ ! -f "$RUN/verifier/DONE" ] || [ ! -d "$RUN/distill/bin" ]; then
+    log "host: waiting for the verifier and the distillation ($RUN)"
+    while [ ! -f "$RUN/verifier/DONE" ] || [ ! -d "$RUN/distill/bin" ]; do sleep 5; done
+  fi
+  log "host: the CPU rows, ${HOST_LIMIT:-300} test sentences at batch 1, 1 thread${HOST_CPUS:+, on cores $HOST_CPUS}"
+  "${cmd[@]}" | tee "$RESULTS/host-cpu.md"
+}
 
 # phase NAME [--dry-run]: the recipe's stages of one phase, with its benchmark's settings
 phase() {
@@ -103,12 +161,17 @@ phase() {
     # shellcheck disable=SC2086  # TRAIN_STAGES: one word per stage
     train) bash "$HERE/scripts/run-multi30k.sh" "$@" $TRAIN_STAGES ;;
     bench) KIT_PHASE=bench BENCH_DIR=$RUN/benchmark bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
+    host) host_rows "$@" ;;
     batched) KIT_PHASE=batched BENCH_DIR=$RUN/benchmark-batched BENCH_BATCH_SIZES=$BATCHED BENCH_RELAXED_BATCH_SIZES=none \
                bash "$HERE/scripts/run-multi30k.sh" "$@" benchmark ;;
   esac
 }
 # what scripts/run-multi30k.sh reads: the kit's data, the run folder
 export DATA=$KIT/data OUT=$RUN MULTI30K_RAW=$KIT/data/raw
+
+T0=$(date +%s) LOG_TAG=gpu-run
+# shellcheck source=recipe-lib.sh
+source "$HERE/scripts/recipe-lib.sh"
 
 if [ "$DRY" = 1 ]; then
   echo "# scripts/gpu-run.sh --dry-run --phase $PHASE (KIT_MODEL=$KIT_MODEL, config $CONFIG)"
@@ -124,9 +187,6 @@ fi
 mkdir -p "$RESULTS" "$RUN"
 RESULTS=$(cd "$RESULTS" && pwd)
 exec > >(tee -a "$RESULTS/gpu-run.log") 2>&1
-T0=$(date +%s) LOG_TAG=gpu-run
-# shellcheck source=recipe-lib.sh
-source "$HERE/scripts/recipe-lib.sh"
 log "phase $PHASE, KIT_MODEL=$KIT_MODEL, kit $KIT, models in $RUN, results in $RESULTS"
 [ -d "$KIT/data/raw" ] || { log "no kit at $KIT (make gpu-kit builds it on the CPU machine; it must travel with the checkout)"; exit 2; }
 
@@ -171,7 +231,8 @@ if ! grep -q "cuda available: True" "$RESULTS/env.txt" && [ "${ALLOW_CPU:-0}" !=
 fi
 
 collect() {
-  # what comes back: a few files, small
+  # what comes back: a few files, small (phase host alone writes its own)
+  [ "${PHASES[*]}" != host ] || return 0
   tar -czf "$RESULTS/train-logs.tar.gz" -C "$RUN" $(cd "$RUN" && ls -d ./*.log distill/gen/*.log distill/*.log \
       drafter/*.validate.log 2>/dev/null) 2>/dev/null || true
   local benches=() b
@@ -189,8 +250,8 @@ collect() {
 }
 trap collect EXIT
 
-export -f phase
-export HERE RUN BATCHED TRAIN_STAGES KIT
+export -f phase host_rows log quote
+export HERE RUN BATCHED TRAIN_STAGES KIT RESULTS T0 LOG_TAG
 for p in "${PHASES[@]}"; do
   t=$(date +%s) status=0
   timeout "$PHASE_SECONDS" bash -c 'phase "$1"' _ "$p" || status=$?

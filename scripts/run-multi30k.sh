@@ -141,9 +141,15 @@ stage_benchmark() {
   local raw; raw=$(raw_multi30k)
   local BENCH_DIR=${BENCH_DIR:-$OUT/benchmark}
   local rows=beam5,beam1,loop-greedy,ngram,strict drafters=() relaxed=()
-  # draft trees: nodes per tree of the specdec_vsd drafter's tree rows, and the ngram tree row
-  local TREE_NODES=${TREE_NODES:-5}
-  local trees=(--variant "tree:ngram=--draft-tree $TREE_NODES --ngram-min-confidence 0.15")
+  # draft trees: nodes per tree of the specdec_vsd drafter's tree rows, and the
+  # ngram tree rows; several sizes ("16 32"): the first's rows are labelled
+  # tree and vsd-tree, the others' treeN and vsd-treeN
+  local TREE_NODES=${TREE_NODES:-5} trees=() nodes label sizes=()
+  read -r -a sizes <<< "$TREE_NODES"
+  for nodes in "${sizes[@]}"; do
+    label=tree; [ "$nodes" = "${sizes[0]}" ] || label=tree$nodes
+    trees+=(--variant "$label:ngram=--draft-tree $nodes --ngram-min-confidence 0.15")
+  done
   # BENCH_RELAXED_BATCH_SIZES=none: no relaxed rows
   if [ "$BENCH_RELAXED_BATCH_SIZES" != none ]; then
     rows=$rows,relaxed relaxed=(--relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES")
@@ -155,8 +161,11 @@ stage_benchmark() {
   if [[ " ${BENCH_DRAFTERS:-paper vsd} " == *" vsd "* ]] && have "$OUT/vsd/checkpoint_last.pt"; then
     drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")  # the default drafter
     # the same drafter's draft trees (docs/trees.md), and the corpus and the drafter in one tree
-    drafters+=(--drafter "vsd-tree=$OUT/vsd/checkpoint_last.pt"
-               --drafter-options "vsd-tree=--draft-tree $TREE_NODES --draft-min-confidence 0")
+    for nodes in "${sizes[@]}"; do
+      label=vsd-tree; [ "$nodes" = "${sizes[0]}" ] || label=vsd-tree$nodes
+      drafters+=(--drafter "$label=$OUT/vsd/checkpoint_last.pt"
+                 --drafter-options "$label=--draft-tree $nodes --draft-min-confidence 0")
+    done
     rows=$rows,ngram+draft-verify:vsd
     if [ "${BENCH_DIAGNOSTIC:-0}" = 1 ]; then
       # diagnostic: the same drafter with a fixed k and no confidence cut

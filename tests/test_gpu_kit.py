@@ -221,7 +221,7 @@ def test_base_model_switch_and_phases(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--phase", "deploy", "out"], "--phase must be all, train, bench or batched, got 'deploy'"),
+    (["--phase", "deploy", "out"], "--phase must be all, train, bench, batched or host, got 'deploy'"),
     ([], "usage: scripts/gpu-run.sh"),
     (["--kit"], "--kit needs a folder"),
     (["a", "b"], "one OUT_DIR only"),
@@ -478,3 +478,58 @@ def test_kit_refuses_bad_models(tmp_path, prepared, args, env, message):
     proc = build_kit(tmp_path, prepared, "--no-wheels", *args, **env)
     assert proc.returncode == 2 and message in proc.stderr
     assert not (tmp_path / "kit" / "run").exists()
+
+
+def test_host_phase_times_the_cpu_rows_beside_ctranslate2(tmp_path):
+    """Phase host: the extension built in place, then interleave.py on the
+    distillation's test split, 1 thread, batch 1, the CPU rows (an AVX-512
+    row exactly where this CPU has AVX-512F), pinned to HOST_CPUS."""
+    out = dry_run(tmp_path, "--phase", "host", HOST_CPUS="3-4", HOST_LIMIT="40")
+    assert "setup.py build_ext --inplace" in out and "wait for" in out
+    assert "fairseq-train" not in out and "benchmark.py" not in out
+    (cmd,) = [argv for _, argv in commands(out) if any(a.endswith("scripts/interleave.py") for a in argv)]
+    assert cmd[:3] == ["taskset", "-c", "3-4"]
+    opt = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert opt("--data").endswith("runs/gpu-kit.small/distill/bin")
+    assert opt("--verifier").endswith("runs/gpu-kit.small/verifier/checkpoint_best.pt")
+    assert (opt("--limit"), opt("--batch-size"), opt("--rounds"), opt("--subset")) == ("40", "1", "1", "test")
+    assert "OMP_NUM_THREADS=1" in cmd and "--by-batch" in cmd and {"--ct2", "--ct2-int8"} <= set(cmd)
+    rows = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--row"]
+    assert rows == ["loop-greedy=--decoding loop-greedy", "ngram=--decoding ngram", "self-draft=--decoding self-draft"]
+    process_rows = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--process-row"]
+    has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    assert process_rows == (["loop-greedy-avx512=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512"] if has_avx512 else [])
+    # phase all ends with it; KIT_TRAIN_STAGES replaces the training stages
+    assert "# phase host" in dry_run(tmp_path)
+    assert set(trainings(dry_run(tmp_path, KIT_TRAIN_STAGES="verifier distill vsd"))) == {"verifier", "vsd"}
+
+
+def test_xz_kit_travels_as_one_archive_that_the_run_unpacks(tmp_path, prepared):
+    """--xz: the kit in kit.tar.xz, its wheels re-stored uncompressed with the
+    same files; the run script unpacks an archive that travels alone."""
+    import io
+    import tarfile
+    import zipfile
+    wheels = tmp_path / "kit" / "wheels"
+    wheels.mkdir(parents=True)
+    members = {"pkg/__init__.py": "x = 1\n" * 200, "pkg-1.0.dist-info/RECORD": "pkg/__init__.py,,\n"}
+    with zipfile.ZipFile(wheels / "pkg-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as whl:
+        for name, text in members.items():
+            whl.writestr(name, text)
+    proc = build_kit(tmp_path, prepared, "--no-wheels", "--xz")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    archive = tmp_path / "kit" / "kit.tar.xz"
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        assert {"./data/raw/test_2016_flickr.de.gz", "./data/bin/dict.en.txt", "./MANIFEST.txt"} <= names
+        packed = zipfile.ZipFile(io.BytesIO(tar.extractfile("./wheels/pkg-1.0-py3-none-any.whl").read()))
+    assert {i.filename: i.compress_type for i in packed.infolist()} == dict.fromkeys(members, zipfile.ZIP_STORED)
+    assert {n: packed.read(n).decode() for n in members} == members
+    # the archive alone, as it travels: the run unpacks it, then stops where torch sees no GPU
+    alone = tmp_path / "travelled"
+    alone.mkdir()
+    (alone / "kit.tar.xz").write_bytes(archive.read_bytes())
+    proc = subprocess.run(["bash", RUN, "--kit", str(alone), str(tmp_path / "out")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=clean_env(tmp_path, PYTHON=sys.executable, RUN=tmp_path / "run", SITE=tmp_path / "site"))
+    assert (alone / "data" / "raw" / "test_2016_flickr.de.gz").is_file(), proc.stdout + proc.stderr
+    assert "unpacking" in proc.stdout + proc.stderr

@@ -422,3 +422,10 @@ def test_multi30k_benchmark_has_draft_tree_rows(tmp_path):
     assert "vsd-tree=--draft-tree 4 --draft-min-confidence 0" in bench
     assert "ngram+draft-verify:vsd" in option(bench, "--rows").split(",")
     assert "tree:ngram=--draft-tree 4 --ngram-min-confidence 0.15" in bench
+    # several sizes: the first keeps the plain labels, the others carry their size
+    proc, recorded = run_multi30k(tmp_path / "two", TREE_NODES="16 32")
+    bench = benchmark_command(recorded)
+    assert "vsd-tree=--draft-tree 16 --draft-min-confidence 0" in bench
+    assert "vsd-tree32=--draft-tree 32 --draft-min-confidence 0" in bench
+    assert "tree:ngram=--draft-tree 16 --ngram-min-confidence 0.15" in bench
+    assert "tree32:ngram=--draft-tree 32 --ngram-min-confidence 0.15" in bench
