@@ -240,7 +240,7 @@ collect() {
     [ -d "$RUN/$b" ] && benches+=("$b")
   done
   if [ ${#benches[@]} -gt 0 ]; then
-    tar -czf "$RESULTS/benchmark.tar.gz" -C "$RUN" "${benches[@]}"
+    tar -czf "$RESULTS/benchmark.tar.gz" --exclude=ct2-verifier -C "$RUN" "${benches[@]}"  # not the converted model
   fi
   cp "$RUN/benchmark/results.md" "$RESULTS/results.md" 2>/dev/null || true
   cp "$RUN/benchmark-batched/results.md" "$RESULTS/results-batched.md" 2>/dev/null || true

@@ -20,7 +20,8 @@
 #   MULTI30K_RAW (raw corpus dir, see prepare-multi30k.sh), BENCH_ARGS (extra
 #   arguments for scripts/benchmark.py), BENCH_DIR (its results, default
 #   OUT/benchmark), BENCH_DRAFTERS (the drafters with rows: "paper vsd"),
-#   BENCH_RELAXED_BATCH_SIZES=none (no relaxed rows), ROOFLINE (1: the verify pass's CPU
+#   BENCH_RELAXED_BATCH_SIZES=none (no relaxed rows), BENCH_RELAXED_DRAFTERS
+#   (the drafter labels with relaxed rows, e.g. "vsd"; default all), ROOFLINE (1: the verify pass's CPU
 #   roofline after the benchmark; 0: none), plus every variable of the config.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -152,7 +153,10 @@ stage_benchmark() {
   done
   # BENCH_RELAXED_BATCH_SIZES=none: no relaxed rows
   if [ "$BENCH_RELAXED_BATCH_SIZES" != none ]; then
-    rows=$rows,relaxed relaxed=(--relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES")
+    # BENCH_RELAXED_DRAFTERS: the --drafter labels with relaxed rows (default every drafter), e.g. "vsd"
+    local relaxed_rows=relaxed
+    [ -z "${BENCH_RELAXED_DRAFTERS:-}" ] || relaxed_rows="relaxed:$(echo "$BENCH_RELAXED_DRAFTERS" | tr ' ' '+')"
+    rows=$rows,$relaxed_rows relaxed=(--relaxed "$BENCH_RELAXED" --relaxed-batch-sizes "$BENCH_RELAXED_BATCH_SIZES")
   fi
   # BENCH_DRAFTERS: which drafters have rows (paper: the Spec-Drafter, vsd: specdec_vsd)
   case " ${BENCH_DRAFTERS:-paper vsd} " in

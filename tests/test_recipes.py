@@ -429,3 +429,7 @@ def test_multi30k_benchmark_has_draft_tree_rows(tmp_path):
     assert "vsd-tree32=--draft-tree 32 --draft-min-confidence 0" in bench
     assert "tree:ngram=--draft-tree 16 --ngram-min-confidence 0.15" in bench
     assert "tree32:ngram=--draft-tree 32 --ngram-min-confidence 0.15" in bench
+    assert "relaxed" in option(bench, "--rows").split(",")  # every drafter's, unless named
+    proc, recorded = run_multi30k(tmp_path / "chain", TREE_NODES="16 32", BENCH_RELAXED_DRAFTERS="vsd")
+    rows = option(benchmark_command(recorded), "--rows").split(",")
+    assert "relaxed:vsd" in rows and "relaxed" not in rows
