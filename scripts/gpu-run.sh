@@ -29,13 +29,14 @@
 #          plugin's C++ extension in place (the kit carries none), then waits
 #          for the verifier and the distillation, so that it can run beside
 #          phase train once that phase's setup is done (HOST_CPUS: the cores
-#          it is pinned to, e.g. 12-15); results host-cpu.md, host-cpu.json
+#          it is pinned to, e.g. 12-15); its table comes back as host-cpu.md,
+#          its JSON and build log in benchmark.tar.gz (RUN/host)
 # Everything it reports goes to OUT_DIR, at most 8 files: gpu-run.log (this
 # run's log), env.txt, summary.md (machine, stage times, what each training
 # reached, the tables and the ratios of the GPU targets), results.md and
-# results-batched.md (the benchmarks' tables), train-logs.tar.gz and
-# benchmark.tar.gz (training logs; results.json, hypotheses, plots and worker
-# logs).  Models stay in RUN, so that a second call on the same warm
+# results-batched.md (the benchmarks' tables), host-cpu.md (phase host's
+# table), train-logs.tar.gz and benchmark.tar.gz (training logs; results.json,
+# hypotheses, plots and worker logs; phase host's JSON).  Models stay in RUN, so that a second call on the same warm
 # machine goes on where the first stopped: every stage is skipped when its
 # output exists.
 #
@@ -129,25 +130,26 @@ host_rows() {
   local cmd=("${pin[@]}" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PYTHON" "$HERE/scripts/interleave.py"
              --data "$RUN/distill/bin" --verifier "$RUN/verifier/checkpoint_best.pt" --src en --tgt de
              --subset test --limit "${HOST_LIMIT:-300}" --batch-size 1 --rounds "${HOST_ROUNDS:-1}" --by-batch
-             "${rows[@]}" "${ct2[@]}" --json "$RESULTS/host-cpu.json")
+             "${rows[@]}" "${ct2[@]}" --json "$RUN/host/host-cpu.json")
   if [ "$dry" = 1 ]; then
     echo "(cd $(quote "$HERE") && $(quote "${build[@]}"))   # unless the extension is built"
     echo "# wait for $RUN/verifier/DONE and $RUN/distill/bin"
-    echo "$(quote "${cmd[@]}") > $(quote "$RESULTS/host-cpu.md")"
+    echo "$(quote "${cmd[@]}") > $(quote "$RUN/host/host-cpu.md")"
     return
   fi
+  mkdir -p "$RUN/host"
   if ! "$PYTHON" -c "import sys, fairseq_specdec.kernels as k; sys.exit(k.unavailable_reason() is not None)" 2>/dev/null; then
-    log "host: building the plugin's C++ extension in place (log: $RESULTS/host-build.log)"
-    (cd "$HERE" && "${build[@]}") > "$RESULTS/host-build.log" 2>&1 || true
+    log "host: building the plugin's C++ extension in place (log: $RUN/host/build.log)"
+    (cd "$HERE" && "${build[@]}") > "$RUN/host/build.log" 2>&1 || true
     "$PYTHON" -c "import sys, fairseq_specdec.kernels as k; r = k.unavailable_reason(); print(r or 'the native kernels run here: ' + k.isa()); sys.exit(r is not None)" \
-      || log "host: WARNING: the rows run on torch's products (see $RESULTS/host-build.log)"
+      || log "host: WARNING: the rows run on torch's products (see $RUN/host/build.log)"
   fi
   if [ ! -f "$RUN/verifier/DONE" ] || [ ! -d "$RUN/distill/bin" ]; then
     log "host: waiting for the verifier and the distillation ($RUN)"
     while [ ! -f "$RUN/verifier/DONE" ] || [ ! -d "$RUN/distill/bin" ]; do sleep 5; done
   fi
   log "host: the CPU rows, ${HOST_LIMIT:-300} test sentences at batch 1, 1 thread${HOST_CPUS:+, on cores $HOST_CPUS}"
-  "${cmd[@]}" | tee "$RESULTS/host-cpu.md"
+  "${cmd[@]}" | tee "$RUN/host/host-cpu.md"
 }
 
 # phase NAME [--dry-run]: the recipe's stages of one phase, with its benchmark's settings
@@ -180,7 +182,7 @@ if [ "$DRY" = 1 ]; then
   echo "$PYTHON -m compileall -q -j 0 $SITE"
   echo "export PYTHONPATH=$SITE:$HERE PATH=$SITE/bin:\$PATH"
   for p in "${PHASES[@]}"; do echo "# phase $p, at most $PHASE_SECONDS s"; phase "$p" --dry-run; done
-  echo "# results: $RESULTS/{gpu-run.log,env.txt,summary.md,results.md,results-batched.md,train-logs.tar.gz,benchmark.tar.gz}"
+  echo "# results: $RESULTS/{gpu-run.log,env.txt,summary.md,results.md,results-batched.md,host-cpu.md,train-logs.tar.gz,benchmark.tar.gz}"
   exit 0
 fi
 
@@ -231,17 +233,20 @@ if ! grep -q "cuda available: True" "$RESULTS/env.txt" && [ "${ALLOW_CPU:-0}" !=
 fi
 
 collect() {
-  # what comes back: a few files, small (phase host alone writes its own)
-  [ "${PHASES[*]}" != host ] || return 0
+  # what comes back: at most 8 files, small (phase host's table as host-cpu.md,
+  # its JSON and build log in benchmark.tar.gz)
   tar -czf "$RESULTS/train-logs.tar.gz" -C "$RUN" $(cd "$RUN" && ls -d ./*.log distill/gen/*.log distill/*.log \
       drafter/*.validate.log 2>/dev/null) 2>/dev/null || true
   local benches=() b
-  for b in benchmark benchmark-batched; do
+  for b in benchmark benchmark-batched host; do
     [ -d "$RUN/$b" ] && benches+=("$b")
   done
   if [ ${#benches[@]} -gt 0 ]; then
-    tar -czf "$RESULTS/benchmark.tar.gz" --exclude=ct2-verifier -C "$RUN" "${benches[@]}"  # not the converted model
+    # not the converted model; a phase beside this one may still be writing
+    tar -czf "$RESULTS/benchmark.tar.gz" --exclude=ct2-verifier -C "$RUN" "${benches[@]}" \
+      || log "benchmark.tar.gz: tar said the above (a phase beside this one still writing?)"
   fi
+  cp "$RUN/host/host-cpu.md" "$RESULTS/host-cpu.md" 2>/dev/null || true
   cp "$RUN/benchmark/results.md" "$RESULTS/results.md" 2>/dev/null || true
   cp "$RUN/benchmark-batched/results.md" "$RESULTS/results-batched.md" 2>/dev/null || true
   "$PYTHON" "$HERE/scripts/gpu-summary.py" --run "$RUN" --bench "$RUN/benchmark" --bench "$RUN/benchmark-batched" \

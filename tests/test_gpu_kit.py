@@ -494,6 +494,8 @@ def test_host_phase_times_the_cpu_rows_beside_ctranslate2(tmp_path):
     assert opt("--verifier").endswith("runs/gpu-kit.small/verifier/checkpoint_best.pt")
     assert (opt("--limit"), opt("--batch-size"), opt("--rounds"), opt("--subset")) == ("40", "1", "1", "test")
     assert "OMP_NUM_THREADS=1" in cmd and "--by-batch" in cmd and {"--ct2", "--ct2-int8"} <= set(cmd)
+    # its JSON stays with the run (it comes back in benchmark.tar.gz), its table as host-cpu.md
+    assert opt("--json").endswith("runs/gpu-kit.small/host/host-cpu.json")
     rows = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--row"]
     assert rows == ["loop-greedy=--decoding loop-greedy", "ngram=--decoding ngram", "self-draft=--decoding self-draft"]
     process_rows = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--process-row"]
