@@ -27,7 +27,7 @@
 #                    scripts/gpu-run.sh's host phase
 #   --xz             also pack the kit into DIR/kit.tar.xz, the wheels stored
 #                    uncompressed inside so that xz shrinks their libraries
-#                    (with --ct2: 50 MiB against 80 loose); KIT_MAX_MB then
+#                    (with --ct2: 44 MiB against 80 loose); KIT_MAX_MB then
 #                    bounds the archive
 #   --models RUN_DIR pack the models KIT_MODELS names from RUN_DIR (verifier/
 #                    checkpoint_best.pt, vsd/checkpoint_last.pt, blockwise/

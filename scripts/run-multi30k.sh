@@ -145,11 +145,11 @@ stage_benchmark() {
   # draft trees: nodes per tree of the specdec_vsd drafter's tree rows, and the
   # ngram tree rows; several sizes ("16 32"): the first's rows are labelled
   # tree and vsd-tree, the others' treeN and vsd-treeN
-  local TREE_NODES=${TREE_NODES:-5} trees=() nodes label sizes=()
+  local TREE_NODES=${TREE_NODES:-5} trees=() sizes=() suffixes=() i
   read -r -a sizes <<< "$TREE_NODES"
-  for nodes in "${sizes[@]}"; do
-    label=tree; [ "$nodes" = "${sizes[0]}" ] || label=tree$nodes
-    trees+=(--variant "$label:ngram=--draft-tree $nodes --ngram-min-confidence 0.15")
+  for i in "${!sizes[@]}"; do
+    suffixes[i]=${sizes[i]}; [ "$i" -gt 0 ] || suffixes[i]=""
+    trees+=(--variant "tree${suffixes[i]}:ngram=--draft-tree ${sizes[i]} --ngram-min-confidence 0.15")
   done
   # BENCH_RELAXED_BATCH_SIZES=none: no relaxed rows
   if [ "$BENCH_RELAXED_BATCH_SIZES" != none ]; then
@@ -165,10 +165,9 @@ stage_benchmark() {
   if [[ " ${BENCH_DRAFTERS:-paper vsd} " == *" vsd "* ]] && have "$OUT/vsd/checkpoint_last.pt"; then
     drafters+=(--drafter "vsd=$OUT/vsd/checkpoint_last.pt")  # the default drafter
     # the same drafter's draft trees (docs/trees.md), and the corpus and the drafter in one tree
-    for nodes in "${sizes[@]}"; do
-      label=vsd-tree; [ "$nodes" = "${sizes[0]}" ] || label=vsd-tree$nodes
-      drafters+=(--drafter "$label=$OUT/vsd/checkpoint_last.pt"
-                 --drafter-options "$label=--draft-tree $nodes --draft-min-confidence 0")
+    for i in "${!sizes[@]}"; do
+      drafters+=(--drafter "vsd-tree${suffixes[i]}=$OUT/vsd/checkpoint_last.pt"
+                 --drafter-options "vsd-tree${suffixes[i]}=--draft-tree ${sizes[i]} --draft-min-confidence 0")
     done
     rows=$rows,ngram+draft-verify:vsd
     if [ "${BENCH_DIAGNOSTIC:-0}" = 1 ]; then
