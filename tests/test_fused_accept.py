@@ -206,3 +206,76 @@ def test_the_backend_chooses_the_native_step_where_it_runs(model_and_dict):
     assert build(TopBetaAcceptance(3, 1.0)).step.native
     assert not build(TopBetaAcceptance(3, 1.0, "drafter")).step.native
     assert not build(StrictAcceptance(), unk_penalty=1.5).step.native
+
+
+def _committed(append, steps, bsz=4, width=16, pad=1, bos=2):
+    """A decoding state after ``steps`` (each: new tokens, their log-probs,
+    n_new, and the rows kept after it), committed through ``append``; every
+    column, the scratch ones included, and each row's newest token."""
+    from fairseq_specdec.generation.state import DecodingState
+
+    sample = {"net_input": {"src_tokens": torch.zeros((bsz, 3), dtype=torch.long)}}
+    state = DecodingState(sample, None, width=width, pad=pad, bos=bos, draft_k=3, append=append)
+    seen = []
+    for new_tokens, new_lprobs, n_new, keep in steps:
+        rows = state.size
+        new_tokens, new_lprobs, n_new = new_tokens[:rows], new_lprobs[:rows], n_new[:rows]
+        before = state.lengths
+        state.commit(new_tokens, new_lprobs, n_new, n_new.tolist(), new_lprobs.sum(1))
+        assert torch.equal(before, before.clone()) and before is not state.lengths  # the old lengths unchanged
+        seen.append(state.last_tokens().clone())
+        state.keep([i for i in keep if i < rows])
+        seen.append(state.last_tokens().clone())
+    return state, seen
+
+
+def test_native_commit_is_the_tensor_commit():
+    """``rowgemm.append_rows`` (the backend's commit on a CPU) leaves the
+    decoding state as the tensor operations do: tokens and log-probs after
+    each row's length (scratch columns included), lengths, host lengths,
+    running scores, and each row's newest token, through commits of ragged
+    widths and retired rows; a commit past the state's width is refused."""
+    if not rowgemm.append_rows_available():
+        pytest.skip("the extension has no append_rows")
+    g = torch.Generator().manual_seed(11)
+    steps = []
+    for n, keep in ((1, [0, 1, 2, 3]), (4, [0, 2, 3]), (2, [1, 2]), (3, [0, 1])):
+        tokens = torch.randint(3, 50, (4, n), generator=g)
+        lprobs = -torch.rand((4, n), generator=g)
+        n_new = torch.randint(1, n + 1, (4,), generator=g)
+        steps.append((tokens, lprobs, n_new, keep))
+    native, native_seen = _committed(rowgemm.append_rows, steps)
+    tensors, tensors_seen = _committed(None, steps)
+    for name in ("tokens", "pos_scores", "lengths", "cum"):
+        assert torch.equal(getattr(native, name), getattr(tensors, name)), name
+    assert native.lengths_host == tensors.lengths_host == native.lengths.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(native_seen, tensors_seen))
+    # the newest token is where the row's length says, after every commit and keep
+    for got, state in ((native_seen[-1], native), (tensors_seen[-1], tensors)):
+        assert torch.equal(got, state.tokens.gather(1, state.lengths.unsqueeze(1)))
+    with pytest.raises(RuntimeError, match="cannot take"):
+        rowgemm.append_rows(native.tokens, native.pos_scores, native.lengths + 10,
+                            torch.ones((2, 5), dtype=torch.long), torch.zeros((2, 5)), torch.ones(2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="appends 0 of 5"):
+        rowgemm.append_rows(native.tokens, native.pos_scores, native.lengths,
+                            torch.ones((2, 5), dtype=torch.long), torch.zeros((2, 5)), torch.zeros(2, dtype=torch.long))
+
+
+def test_the_backend_commits_natively_where_it_runs(model_and_dict):
+    """On a CPU with the extension the loop commits with one native call,
+    and decodes as with the tensor commit (``FAIRSEQ_SPECDEC_OFF=commit``)."""
+    from fairseq_specdec.generation import resolve_backend
+
+    model, task = model_and_dict
+    d = task.target_dictionary
+    assert resolve_backend("auto", model, StrictAcceptance()).append is rowgemm.append_rows
+    assert resolve_backend("auto", model, StrictAcceptance(), off=frozenset({"commit"})).append is None
+    assert resolve_backend("reference", model, StrictAcceptance()).append is None
+    ref = run_generator(seq_gen(model, d, dict(max_len_a=0, max_len_b=12)), model, H.batches(task, "test", 5))
+    got = []
+    for off in ((), ("commit",)):
+        gen = H.make_generator(model, NoDrafter(), d, 3, off=off, max_len_a=0, max_len_b=12)
+        assert (gen.backend.append is None) == bool(off)
+        got.append(run_generator(gen, model, H.batches(task, "test", 5)))
+        assert_identical(ref, got[-1])
+    assert_identical(got[1], got[0], atol=0)

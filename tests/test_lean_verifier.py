@@ -265,3 +265,41 @@ def test_a_pass_holding_more_runs_step_by_step(toy_bin):
     lean = LeanVerifier(model, gemm="rowgemm")
     lean.start()
     assert lean.fused and lean.whole_pass is None
+
+
+class AtenInputsLeanVerifier(LeanVerifier):
+    """The one-call pass given its embedding table as a strided view of the
+    same values: the extension then makes the inputs with ATen's operations
+    instead of reading the table directly."""
+
+    def start(self):
+        super().start()
+        whole = self.whole_pass
+        if whole is not None:
+            def strided(tokens, depths, starts, embed, *rest, **kwargs):
+                view = embed.t().contiguous().t()
+                assert not view.is_contiguous() and torch.equal(view, embed)
+                return whole(tokens, depths, starts, view, *rest, **kwargs)
+
+            self.whole_pass = strided
+
+
+@pytest.mark.parametrize("scale", [None, 5.3])
+def test_whole_pass_inputs_read_directly_round_as_atens(toy_bin, tiny_drafter, scale):
+    """The one-call pass reads a float32 embedding and position table
+    directly: bit for bit the inputs of ATen's operations (the same pass
+    given a strided table) and of the stepwise pass's Python, also with an
+    embedding scale that is not a power of two."""
+    H.skip_unless_gemm("rowgemm")
+    model, task = untrained_transformer(toy_bin)
+    if scale is not None:
+        model.decoder.embed_scale = scale
+    d = task.target_dictionary
+    for other in (AtenInputsLeanVerifier, StepwiseLeanVerifier):
+        for bsz in (1, 5):
+            paired = H.BitwisePair(LeanVerifier(model, gemm="rowgemm"), other(model, gemm="rowgemm"))
+            gen = H.make_generator(model, NATBlockDrafter(tiny_drafter[0]), d, 3, verifier=paired, max_len_a=0,
+                                   max_len_b=12)
+            run_generator(gen, model, H.batches(task, "test", bsz))
+            assert paired.main.whole_pass is not None
+            assert paired.passes > 0 and paired.widest > 1

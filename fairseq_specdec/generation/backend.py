@@ -24,7 +24,8 @@ compute natively, and whether whole iterations run on fixed buffers.
     (:mod:`fairseq_specdec.kernels`): the lean pass through them
     (:class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`:
     row-blocked products, each decoder and encoder layer one call), the
-    strict acceptance step as one call, drafters' passes through them;
+    strict acceptance step as one call, the commit into the decoding state
+    as one call, drafters' passes through them;
   - otherwise the lean pass with torch's products.
 
 Both keep the loop's guarantee (strict output = the verifier's greedy
@@ -36,7 +37,7 @@ that way (the task's
 :attr:`~fairseq_specdec.generation.services.GenerationServices.parts_off`).
 """
 from dataclasses import dataclass, field
-from typing import FrozenSet, Optional, Tuple
+from typing import Callable, FrozenSet, Optional, Tuple
 
 import torch
 
@@ -65,6 +66,8 @@ class Backend:
     ``drafting`` (what they may compute natively).  The rest records the
     choice: ``fused_accept``, the acceptance step is one call of the native
     extension (strict or top-beta acceptance, float32 log-probs on a CPU);
+    ``append``, what the decoding state commits with (one native call on a
+    CPU, or None);
     ``iteration``, ``static`` or ``iteration`` where whole iterations of a
     batch of one sentence run on fixed buffers (``iteration``: captured as
     CUDA graphs), else None; ``reasons``: why, for the log; ``off``: the
@@ -75,6 +78,8 @@ class Backend:
     fused_accept: bool = False
     drafting: DraftKernels = NO_KERNELS
     iteration: Optional[str] = None
+    #: the loop's commit as one native call (``rowgemm.append_rows``), or None: tensor operations
+    append: Optional[Callable] = None
     reasons: Tuple[str, ...] = ()
     off: FrozenSet[str] = field(default_factory=frozenset)
 
@@ -99,7 +104,8 @@ class Backend:
     def describe(self) -> str:
         """One line for the log: the choice, its parts and why."""
         parts = [f"verify pass {self.verifier.describe()}",
-                 f"acceptance step {'native' if self.fused_accept else 'torch'}"]
+                 f"acceptance step {'native' if self.fused_accept else 'torch'}",
+                 f"commit {'native' if self.append is not None else 'torch'}"]
         if self.drafting.products:
             parts.append(f"drafters native ({self.drafting.precision} weights)")
         if self.iteration is not None:
@@ -166,5 +172,6 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     fused = "accept" not in off and native_step_unavailable(acceptance, unk_penalty) is None
     precision = "bfloat16" if "bf16" not in off and rowgemm.bfloat16_available() else "float32"
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off)
-    return Backend(name, verifier, fused_accept=fused, drafting=drafting,
+    append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
+    return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append,
                    reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

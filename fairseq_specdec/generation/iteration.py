@@ -38,6 +38,8 @@ class Iteration:
         self.verifier, self.drafter, self.step, self.policy = verifier, drafter, step, policy
         self.block_size, self.tree_nodes = block_size, tree_nodes
         self.pad, self.eos = pad, eos
+        #: the empty draft of each batch size and device (read only: nothing changes a chain's tokens)
+        self._no_drafts = {}
 
     def draft_width(self, state, max_len: int) -> int:
         """How many tokens deep the drafter may propose this iteration:
@@ -79,6 +81,14 @@ class Iteration:
             features = drafts.along(features, out.path)
         return out, features
 
+    def _empty(self, state) -> DraftTree:
+        """The chain of no drafts for the state's rows (one per batch size and device)."""
+        key = (state.size, state.tokens.device)
+        empty = self._no_drafts.get(key)
+        if empty is None:
+            empty = self._no_drafts[key] = chain_tree(state.tokens.new_zeros((state.size, 0)))
+        return empty
+
     def _drafts(self, state, k: int, host_checks: bool) -> Tuple[DraftTree, Optional[List[int]]]:
         """The drafts of depth at most ``k`` (a tree of no node where ``k`` is
         0 or nothing was drafted: a chain) and, for a chain with
@@ -94,7 +104,7 @@ class Iteration:
                 return tree, None
             k = 0
         if k == 0:
-            return chain_tree(state.tokens.new_zeros((state.size, 0))), [] if host_checks else None
+            return self._empty(state), [] if host_checks else None
         # a drafter may propose fewer than k tokens (pad = no draft)
         tokens, lprobs = self.drafter.propose(state, k)
         tokens = self.policy.limit(tokens, lprobs, state.draft_k, self.pad)

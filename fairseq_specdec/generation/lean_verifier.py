@@ -424,16 +424,16 @@ class LeanVerifier(VerifyPass):
         width = max(lengths_host) + m
         self._prepare(state, width)
         if self.use_fused and all(lw.fused is not None for lw in self.layers):
-            starts = torch.tensor(lengths_host, dtype=torch.long)
             pad = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
             ancestors = None if tree is None else tree.ancestors.contiguous()
             if self.whole_pass is not None and needed is None and not self.decoder.training:
                 dec = self.decoder
                 lprobs, self.last_features = self.whole_pass(
-                    tokens, depths, starts, dec.embed_tokens.weight, dec.embed_scale, self.position_table,
+                    tokens, depths, lengths_host, dec.embed_tokens.weight, dec.embed_scale, self.position_table,
                     self.keys, self.values, self.cross, pad, ancestors, dec.layer_norm, self.temperature,
                 )
                 return lprobs
+            starts = torch.tensor(lengths_host, dtype=torch.long)
             x = self._embed(tokens, state.lengths, depths).float().contiguous()
             for i, lw in enumerate(self.layers):
                 x = lw.fused(x, starts, self.keys[i], self.values[i], self.cross[i], pad, ancestors)

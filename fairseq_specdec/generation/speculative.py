@@ -191,6 +191,7 @@ class SpeculativeGenerator:
             pad=self.pad,
             bos=self.eos if bos_token is None else bos_token,
             draft_k=self.policy.initial(),
+            append=self.backend.append,
         )
         state.attach(verifier, self.drafter)
         self.drafter.start_batch(state)

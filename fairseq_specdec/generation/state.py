@@ -4,7 +4,7 @@ One :class:`DecodingState` per ``generate()`` call owns everything that
 describes the rows still being decoded; drafters read it (never write it).
 """
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +50,14 @@ class DecodingState:
     * ``encoder_out`` is the verifier's encoder output of the active rows;
     * ``draft_k[i]`` is how many tokens the row's next draft may have;
     * ``net_input`` is the batch as given, in its original row order (it is
-      not reordered: drafters read it in ``start_batch``).
+      not reordered: drafters read it in ``start_batch``);
+    * ``last_tokens()`` is ``tokens[i, lengths[i]]`` (held from the commit
+      that appended it where ``append`` made it, else gathered at the first
+      call and held until the next commit or :meth:`keep`).
+
+    :meth:`commit` writes the appended tokens with tensor operations, or in
+    one call of ``append`` where the backend gives one
+    (:func:`fairseq_specdec.kernels.rowgemm.append_rows`: the same values).
 
     :meth:`keep` retires rows everywhere at once, in this order: the state's
     own tensors and ``encoder_out`` (through the attached verify pass's
@@ -68,6 +75,7 @@ class DecodingState:
         pad: int,
         bos: int,
         draft_k: int,
+        append: Optional[Callable] = None,
     ):
         src_tokens = sample["net_input"]["src_tokens"]
         bsz = src_tokens.size(0)
@@ -88,6 +96,9 @@ class DecodingState:
         self.draft_k: List[int] = [draft_k] * bsz
         self._verifier = None
         self._drafter = None
+        #: the backend's native commit, or None (tensor operations)
+        self._append = append
+        self._newest: Optional[Tensor] = None
 
     def attach(self, verifier, drafter) -> None:
         """The verify pass (``reorder_encoder_out(encoder_out, order)``, then
@@ -107,17 +118,26 @@ class DecodingState:
         return self.tokens.size(1)
 
     def last_tokens(self) -> Tensor:
-        """B x 1: each row's newest accepted token (the BOS before any)."""
-        return self.tokens.gather(1, self.lengths.unsqueeze(1))
+        """B x 1: each row's newest accepted token (the BOS before any); not
+        to be changed in place."""
+        if self._newest is None:
+            self._newest = self.tokens.gather(1, self.lengths.unsqueeze(1))
+        return self._newest
 
     def commit(self, new_tokens: Tensor, new_lprobs: Tensor, n_new: Tensor, n_new_host: List[int], cum: Tensor) -> None:
         """Append ``n_new[i]`` of ``new_tokens[i]`` to row i.  Columns past
-        ``n_new`` are written too and stay scratch."""
-        cols = self.lengths.unsqueeze(1) + 1 + torch.arange(new_tokens.size(1), device=self.device)
-        self.tokens.scatter_(1, cols, new_tokens)
-        self.pos_scores.scatter_(1, cols, new_lprobs)
+        ``n_new`` are written too and stay scratch.  ``lengths`` becomes a
+        new tensor (the old one is not changed)."""
+        if self._append is not None:
+            self.lengths, self._newest = self._append(self.tokens, self.pos_scores, self.lengths, new_tokens,
+                                                      new_lprobs, n_new)
+        else:
+            cols = self.lengths.unsqueeze(1) + 1 + torch.arange(new_tokens.size(1), device=self.device)
+            self.tokens.scatter_(1, cols, new_tokens)
+            self.pos_scores.scatter_(1, cols, new_lprobs)
+            self.lengths = self.lengths + n_new
+            self._newest = None
         self.cum = cum
-        self.lengths = self.lengths + n_new
         self.lengths_host = [n + d for n, d in zip(self.lengths_host, n_new_host)]
 
     def keep(self, keep_host: List[int]) -> None:
@@ -129,6 +149,7 @@ class DecodingState:
         self.pos_scores = self.pos_scores.index_select(0, order)
         self.lengths = self.lengths.index_select(0, order)
         self.cum = self.cum.index_select(0, order)
+        self._newest = None
         self.lengths_host = [self.lengths_host[i] for i in keep_host]
         self.rows = [self.rows[i] for i in keep_host]
         self.draft_k = [self.draft_k[i] for i in keep_host]

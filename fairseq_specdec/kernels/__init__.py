@@ -36,6 +36,7 @@ PARTS = {
     "layers": "each decoder layer of the verify pass as one call, and the whole pass as one call where it fits",
     "encoder": "each encoder layer as one call",
     "accept": "fairseq's rules, the greedy picks and strict acceptance as one call",
+    "commit": "the loop's commit of the appended tokens into the decoding state as one call",
     "bf16": "specdec_vsd drafter weights packed in bfloat16",
     "pick": "a drafter's shortlist projection, log-softmax and best type as one call",
     "block": "the specdec_vsd drafter's input rows and block layers as calls of the kernel",

@@ -38,7 +38,7 @@ The extension is built at install (``setup.py``) and is optional:
 :func:`unavailable_reason` says why it cannot be used, and callers fall back
 to torch's products.
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -203,9 +203,12 @@ class DecoderPass:
     :class:`FusedDecoderLayer`, the optional final layer norm, the
     vocabulary projection ``output`` (a :class:`PackedLinear`), the
     temperature and the float32 log-softmax.  Each step is the operation the
-    Python pass runs (the same ATen operations for the inputs, the norm and
-    the log-softmax; the same native layers and products), so its output is
-    bitwise that pass's; what it saves is the Python between the steps.
+    Python pass runs (the inputs as one float32 multiplication by the scale
+    and one addition of the position row each, read straight from float32
+    tables; the same ATen operations for the norm and the log-softmax; the
+    same native layers and products), so its output is bitwise that pass's;
+    what it saves is the Python and the small tensor operations between the
+    steps.
 
     The layers' packed weights and norms are those of ``layers`` (a
     snapshot, rebuilt with them); the embedding, position table and final
@@ -220,13 +223,13 @@ class DecoderPass:
                              float(layer.normalize_before), layer.eps]
         self.output = output
 
-    def __call__(self, tokens: Tensor, depths: Optional[Tensor], starts: Tensor, embed_weight: Tensor,
+    def __call__(self, tokens: Tensor, depths: Optional[Tensor], starts: List[int], embed_weight: Tensor,
                  embed_scale: float, positions: Optional[Tensor], keys, values, cross, enc_pad: Optional[Tensor],
                  tree: Optional[Tensor], final_norm=None, temperature: float = 1.0):
         """``(log-probs B x m x V, features B x m x C)`` of the new
         ``tokens`` (B x m; ``depths``: a draft tree's B x m node depths, or
         None for a chain), row r's first at position ``starts[r]`` (host
-        int64); ``keys``/``values``: each layer's cache (written in place),
+        ints: the rows' lengths); ``keys``/``values``: each layer's cache (written in place),
         ``cross``: each layer's encoder keys and values; ``final_norm``: the
         decoder's final ``LayerNorm`` or None; ``temperature`` divides the
         logits (unless 1)."""
@@ -373,3 +376,19 @@ def move_cache_entries(caches: List[Tensor], rows: Tensor, src: Tensor, dst: Ten
     ``dst[i, j]``, in order of j (``move_cache_entries`` in
     ``csrc/step.cpp``; a draft tree's accepted path, whose slots only grow)."""
     _ext.move_cache_entries(caches, rows.contiguous(), src.contiguous(), dst.contiguous())
+
+
+def append_rows_available() -> bool:
+    """Whether the extension has :func:`append_rows` (an older build may not)."""
+    return _ext is not None and hasattr(_ext, "append_rows")
+
+
+def append_rows(tokens: Tensor, pos_scores: Tensor, lengths: Tensor, new_tokens: Tensor, new_lprobs: Tensor,
+                n_new: Tensor) -> Tuple[Tensor, Tensor]:
+    """The decoding loop's commit in one call (``append_rows`` in
+    ``csrc/step.cpp``): row r's ``new_tokens`` and ``new_lprobs`` (B x n,
+    every column, the scratch after ``n_new[r]`` included) written into
+    ``tokens`` and ``pos_scores`` (B x W, contiguous CPU; changed in place)
+    at columns ``lengths[r] + 1 ..``.  Returns ``(lengths + n_new, newest)``:
+    new tensors, ``newest[r, 0]`` the row's last appended token."""
+    return _ext.append_rows(tokens, pos_scores, lengths, new_tokens, new_lprobs, n_new)

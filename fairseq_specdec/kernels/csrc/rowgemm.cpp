@@ -628,8 +628,6 @@ int64_t checked_heads(int64_t heads, int64_t C, const char* what) {
   return heads;
 }
 
-}  // namespace
-
 // One Transformer decoder layer (ReLU FFN) over the m new tokens of every
 // row, in place of its PyTorch operations: a fairseq TransformerDecoderLayer
 // in the lean verify pass, or a drafter's block layer.  x: B x m x C.  With
@@ -641,9 +639,10 @@ int64_t checked_heads(int64_t heads, int64_t C, const char* what) {
 // (no cache).  Encoder
 // attention reads cross_keys/cross_values ((B * Hc) x S x dc) with enc_pad
 // (B x S, true = padding; may be undefined).  Post-norm unless
-// normalize_before.  Returns the layer's output, B x m x C.
-torch::Tensor decoder_layer(
-    const torch::Tensor& x_in, const torch::Tensor& starts_t,
+// normalize_before.  Returns the layer's output, B x m x C.  (The binding,
+// decoder_layer, takes starts as a tensor.)
+torch::Tensor decoder_layer_at(
+    const torch::Tensor& x_in, const std::vector<int64_t>& starts_in,
     const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& sa_out_w, const torch::Tensor& sa_out_b,
     const torch::Tensor& sa_ln_w, const torch::Tensor& sa_ln_b, const c10::optional<torch::Tensor>& keys_opt,
     const c10::optional<torch::Tensor>& values_opt, int64_t heads, double scaling,
@@ -664,6 +663,8 @@ torch::Tensor decoder_layer(
   float* vc = nullptr;
   std::vector<int64_t> starts(static_cast<size_t>(B), 0);
   if (cached) {
+    TORCH_CHECK(static_cast<int64_t>(starts_in.size()) == B, "decoder_layer: starts must hold one position per row (",
+                B, "), not ", starts_in.size());
     const auto& keys = *keys_opt;
     TORCH_CHECK(values_opt.has_value() && values_opt->defined(), "decoder_layer: keys given without values");
     const auto& values = *values_opt;
@@ -674,12 +675,8 @@ torch::Tensor decoder_layer(
     cap = keys.size(2);
     kc = keys.data_ptr<float>();
     vc = values.data_ptr<float>();
-    TORCH_CHECK(starts_t.dim() == 1 && starts_t.size(0) == B && starts_t.scalar_type() == torch::kLong &&
-                    starts_t.is_contiguous(),
-                "decoder_layer: starts must be a contiguous int64 vector of B");
-    const int64_t* st = starts_t.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
-      starts[b] = st[b];
+      starts[b] = starts_in[b];
       TORCH_CHECK(starts[b] >= 0 && starts[b] + m <= cap, "decoder_layer: row ", b, " needs cache positions up to ",
                   starts[b] + m, ", capacity ", cap);
     }
@@ -743,6 +740,33 @@ torch::Tensor decoder_layer(
 
   feed_forward(s, fc1, fc2, F, final_ln_w, final_ln_b);
   return out.view({B, m, C});
+}
+
+}  // namespace
+
+torch::Tensor decoder_layer(
+    const torch::Tensor& x_in, const torch::Tensor& starts_t,
+    const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& sa_out_w, const torch::Tensor& sa_out_b,
+    const torch::Tensor& sa_ln_w, const torch::Tensor& sa_ln_b, const c10::optional<torch::Tensor>& keys_opt,
+    const c10::optional<torch::Tensor>& values_opt, int64_t heads, double scaling,
+    const torch::Tensor& ca_q_w, const torch::Tensor& ca_q_b, const torch::Tensor& ca_out_w, const torch::Tensor& ca_out_b,
+    const torch::Tensor& ca_ln_w, const torch::Tensor& ca_ln_b, const torch::Tensor& cross_keys,
+    const torch::Tensor& cross_values, const c10::optional<torch::Tensor>& enc_pad, int64_t c_heads, double c_scaling,
+    const torch::Tensor& fc1_w, const torch::Tensor& fc1_b, const torch::Tensor& fc2_w, const torch::Tensor& fc2_b,
+    const torch::Tensor& final_ln_w, const torch::Tensor& final_ln_b, bool normalize_before, double eps,
+    const c10::optional<torch::Tensor>& tree_opt) {
+  std::vector<int64_t> starts;
+  if (keys_opt.has_value() && keys_opt->defined()) {
+    TORCH_CHECK(starts_t.dim() == 1 && starts_t.size(0) == x_in.size(0) && starts_t.scalar_type() == torch::kLong &&
+                    starts_t.is_contiguous() && starts_t.device().is_cpu(),
+                "decoder_layer: starts must be a contiguous int64 CPU vector of B");
+    const int64_t* st = starts_t.data_ptr<int64_t>();
+    starts.assign(st, st + starts_t.size(0));
+  }
+  return decoder_layer_at(x_in, starts, qkv_w, qkv_b, sa_out_w, sa_out_b, sa_ln_w, sa_ln_b, keys_opt, values_opt, heads,
+                          scaling, ca_q_w, ca_q_b, ca_out_w, ca_out_b, ca_ln_w, ca_ln_b, cross_keys, cross_values,
+                          enc_pad, c_heads, c_scaling, fc1_w, fc1_b, fc2_w, fc2_b, final_ln_w, final_ln_b,
+                          normalize_before, eps, tree_opt);
 }
 
 // One Transformer encoder layer (ReLU FFN), in place of a fairseq
@@ -835,6 +859,68 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
   return out;
 }
 
+namespace {
+
+// A verify pass's inputs, B x m x C float32: row b's slot j is
+// scale * embed[tokens[b][j]] + pos_table[min(starts[b] + depth, P - 1)]
+// (depth: depths[b][j], or j for a chain; no position term without a
+// table), each as one float32 multiplication and one addition, the values
+// of VerifyPass._embed's ATen operations (embedding, mul by the scale as a
+// float, add).  Float32 contiguous tables are read directly, the product
+// and the sum in separate loops so that no compiler contracts them into one
+// rounding; other tables take the ATen operations themselves.
+torch::Tensor pass_inputs(const torch::Tensor& tokens, const c10::optional<torch::Tensor>& depths,
+                          const std::vector<int64_t>& starts, const torch::Tensor& embed_w, double embed_scale,
+                          const c10::optional<torch::Tensor>& pos_table) {
+  const int64_t B = tokens.size(0), m = tokens.size(1);
+  const bool has_pos = pos_table.has_value() && pos_table->defined();
+  const bool has_depths = depths.has_value() && depths->defined();
+  const bool direct = tokens.device().is_cpu() && embed_w.device().is_cpu() && embed_w.dim() == 2 &&
+                      embed_w.scalar_type() == torch::kFloat && embed_w.is_contiguous() &&
+                      (!has_pos || (pos_table->dim() == 2 && pos_table->scalar_type() == torch::kFloat &&
+                                    pos_table->is_contiguous() && pos_table->device().is_cpu() &&
+                                    pos_table->size(1) == embed_w.size(1) && pos_table->size(0) > 0)) &&
+                      (!has_depths || (depths->scalar_type() == torch::kLong && depths->dim() == 2 &&
+                                       depths->size(0) == B && depths->size(1) == m && depths->device().is_cpu()));
+  if (!direct) {
+    torch::Tensor x = at::embedding(embed_w, tokens).mul(embed_scale);
+    if (has_pos) {
+      const torch::Tensor offsets = has_depths ? *depths : torch::arange(m, tokens.options());
+      torch::Tensor index = torch::tensor(starts, tokens.options()).unsqueeze(1) + offsets;
+      index = index.clamp_(c10::nullopt, pos_table->size(0) - 1);
+      x = x + pos_table->index({index});
+    }
+    return x.to(torch::kFloat).contiguous();
+  }
+  const int64_t V = embed_w.size(0), C = embed_w.size(1);
+  const torch::Tensor tk = tokens.contiguous();
+  const torch::Tensor dp = has_depths ? depths->contiguous() : torch::Tensor();
+  const int64_t* tp = tk.data_ptr<int64_t>();
+  const int64_t* dd = has_depths ? dp.data_ptr<int64_t>() : nullptr;
+  const float* ew = embed_w.data_ptr<float>();
+  const float* pw = has_pos ? pos_table->data_ptr<float>() : nullptr;
+  const int64_t P = has_pos ? pos_table->size(0) : 0;
+  const float scale = static_cast<float>(embed_scale);
+  torch::Tensor x = torch::empty({B, m, C}, embed_w.options());
+  float* xp = x.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t token = tp[b * m + j];
+      TORCH_CHECK(token >= 0 && token < V, "decoder_pass: token ", token, " is not in the embedding of ", V, " rows");
+      const float* e = ew + token * C;
+      float* out = xp + (b * m + j) * C;
+      for (int64_t c = 0; c < C; ++c) out[c] = e[c] * scale;
+      if (pw == nullptr) continue;
+      const int64_t at = starts[b] + (dd != nullptr ? dd[b * m + j] : j);
+      TORCH_CHECK(at >= 0, "decoder_pass: row ", b, " has a negative position");
+      const float* p = pw + std::min(at, P - 1) * C;
+      for (int64_t c = 0; c < C; ++c) out[c] += p[c];  // a second loop: never contracted into one FMA
+    }
+  return x;
+}
+
+}  // namespace
+
 // A whole verify pass of the decoder in one call, for the fused path of
 // LeanVerifier.forward (lean_verifier.py), which decides when it applies: the
 // new tokens' inputs, every layer (decoder_layer), the optional final layer
@@ -855,7 +941,7 @@ torch::Tensor block_input(const torch::Tensor& states, const torch::Tensor& toke
 // cross_keys, cross_values: per layer.  Returns (log-probs B x m x V float32,
 // the last layer's output after the final norm, B x m x C).
 std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
-    const torch::Tensor& tokens, const c10::optional<torch::Tensor>& depths, const torch::Tensor& starts,
+    const torch::Tensor& tokens, const c10::optional<torch::Tensor>& depths, const std::vector<int64_t>& starts,
     const torch::Tensor& embed_w, double embed_scale, const c10::optional<torch::Tensor>& pos_table,
     const std::vector<torch::Tensor>& layers, const std::vector<double>& scalars,
     const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -870,21 +956,14 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
               "decoder_pass: ", L, " layers need ", kTensors, " tensors, ", kScalars,
               " scalars, keys, values and encoder keys and values each");
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "decoder_pass: tokens must be B x m int64");
-  const int64_t m = tokens.size(1);
-  // the inputs: scale * embed[tokens] + positions[start + depth], as VerifyPass._embed
-  torch::Tensor x = at::embedding(embed_w, tokens).mul(embed_scale);
-  if (pos_table.has_value() && pos_table->defined()) {
-    const torch::Tensor offsets = depths.has_value() && depths->defined()
-        ? *depths : torch::arange(m, tokens.options());
-    torch::Tensor index = starts.to(tokens.device()).unsqueeze(1) + offsets;
-    index = index.clamp_(c10::nullopt, pos_table->size(0) - 1);
-    x = x + pos_table->index({index});
-  }
-  x = x.to(torch::kFloat).contiguous();
+  const int64_t B = tokens.size(0);
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "decoder_pass: starts must hold one position per row (", B,
+              "), not ", starts.size());
+  torch::Tensor x = pass_inputs(tokens, depths, starts, embed_w, embed_scale, pos_table);
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* t = layers.data() + l * kTensors;
     const double* s = scalars.data() + l * kScalars;
-    x = decoder_layer(x, starts, t[0], t[1], t[2], t[3], t[4], t[5], keys[l], values[l],
+    x = decoder_layer_at(x, starts, t[0], t[1], t[2], t[3], t[4], t[5], keys[l], values[l],
                       static_cast<int64_t>(s[0]), s[1], t[6], t[7], t[8], t[9], t[10], t[11], cross_keys[l],
                       cross_values[l], enc_pad, static_cast<int64_t>(s[2]), s[3], t[12], t[13], t[14], t[15],
                       t[16], t[17], s[4] != 0.0, s[5], tree);
@@ -1024,6 +1103,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor& rows, const at::Tensor& src,
                         const at::Tensor& dst);
 
+// csrc/step.cpp: the loop's commit of an iteration's tokens into the decoding state
+std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& pos_scores, const at::Tensor& lengths,
+                                               const at::Tensor& new_tokens, const at::Tensor& new_lprobs,
+                                               const at::Tensor& n_new);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -1051,4 +1135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy picks, acceptance");
   m.def("move_cache_entries", &move_cache_entries,
         "after a draft tree's pass: each row's accepted cache entries moved to where a chain would have put them");
+  m.def("append_rows", &append_rows,
+        "the loop's commit: each row's new tokens and log-probs written after its length, in place; returns the new "
+        "lengths and each row's newest token");
 }

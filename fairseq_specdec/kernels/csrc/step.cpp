@@ -344,3 +344,61 @@ void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor&
     }
   }
 }
+
+// The loop's commit (generation/state.py DecodingState.commit) in one call:
+// for each row r, new_tokens[r, j] and new_lprobs[r, j] are written into
+// tokens[r, lengths[r] + 1 + j] and pos_scores[r, lengths[r] + 1 + j] for
+// every column j of new_tokens (those past n_new[r] are scratch, as the
+// tensor form's scatter writes them), in place.  Returns the new lengths
+// (lengths + n_new, a new tensor: the old one is not changed) and each row's
+// newest token (B x 1: new_tokens[r, n_new[r] - 1], what tokens then holds
+// at column lengths[r] + n_new[r]).  tokens: B x W int64, pos_scores: B x W
+// float32, lengths and n_new: B int64, new_tokens: B x n int64, new_lprobs:
+// B x n float32, all CPU; 1 <= n_new[r] <= n and lengths[r] + n < W.
+std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& pos_scores, const at::Tensor& lengths,
+                                               const at::Tensor& new_tokens_in, const at::Tensor& new_lprobs_in,
+                                               const at::Tensor& n_new_in) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.device().is_cpu(),
+              "append_rows: tokens must be a contiguous B x W int64 CPU tensor");
+  const int64_t B = tokens.size(0), W = tokens.size(1);
+  TORCH_CHECK(pos_scores.sizes() == tokens.sizes() && pos_scores.scalar_type() == at::kFloat &&
+                  pos_scores.is_contiguous() && pos_scores.device().is_cpu(),
+              "append_rows: pos_scores must be a contiguous B x W float32 CPU tensor");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.scalar_type() == at::kLong && lengths.device().is_cpu(),
+              "append_rows: lengths must be an int64 CPU vector of B");
+  TORCH_CHECK(new_tokens_in.dim() == 2 && new_tokens_in.size(0) == B && new_tokens_in.scalar_type() == at::kLong &&
+                  new_tokens_in.device().is_cpu(),
+              "append_rows: new_tokens must be a B x n int64 CPU tensor");
+  const int64_t n = new_tokens_in.size(1);
+  TORCH_CHECK(new_lprobs_in.dim() == 2 && new_lprobs_in.size(0) == B && new_lprobs_in.size(1) == n &&
+                  new_lprobs_in.scalar_type() == at::kFloat && new_lprobs_in.device().is_cpu(),
+              "append_rows: new_lprobs must be a B x n float32 CPU tensor");
+  TORCH_CHECK(n_new_in.dim() == 1 && n_new_in.size(0) == B && n_new_in.scalar_type() == at::kLong &&
+                  n_new_in.device().is_cpu(),
+              "append_rows: n_new must be an int64 CPU vector of B");
+  const at::Tensor lens = lengths.contiguous(), nt = new_tokens_in.contiguous(), nl = new_lprobs_in.contiguous(),
+                   nn = n_new_in.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = nt.data_ptr<int64_t>();
+  const float* sp = nl.data_ptr<float>();
+  const int64_t* np = nn.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(np[r] >= 1 && np[r] <= n, "append_rows: row ", r, " appends ", np[r], " of ", n, " tokens");
+    TORCH_CHECK(lp[r] >= 0 && lp[r] + n < W, "append_rows: row ", r, " at length ", lp[r], " cannot take ", n,
+                " columns of ", W);
+  }
+  at::Tensor out_lengths = at::empty({B}, lengths.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor newest = at::empty({B, 1}, tokens.options());
+  int64_t* ol = out_lengths.data_ptr<int64_t>();
+  int64_t* nw = newest.data_ptr<int64_t>();
+  int64_t* tk = tokens.data_ptr<int64_t>();
+  float* ps = pos_scores.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t at_col = r * W + lp[r] + 1;
+    std::memcpy(tk + at_col, tp + r * n, sizeof(int64_t) * n);
+    std::memcpy(ps + at_col, sp + r * n, sizeof(float) * n);
+    ol[r] = lp[r] + np[r];
+    nw[r] = tp[r * n + np[r] - 1];
+  }
+  return {out_lengths, newest};
+}
