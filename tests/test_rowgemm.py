@@ -286,3 +286,28 @@ def test_draft_pick_is_log_softmax_max_of_the_projection(precision):
     assert lprob.max() < -5.0  # about log(1 / 300)
     with pytest.raises(RuntimeError, match="bias must be a contiguous float32 CPU vector of n_base \\+ E = 305"):
         rowgemm.draft_pick(x, packed, extra_t, torch.zeros(300))
+
+
+def test_compact_rows_moves_the_kept_rows_up_in_place():
+    """``compact_rows`` (the verify pass's row retirement): the kept rows'
+    first ``width`` positions, every head, become the first rows, as
+    index_select gives them; the tensor itself is changed (no copy), later
+    positions are not; an order that is not increasing is refused."""
+    if not rowgemm.compact_rows_available():
+        pytest.skip("the extension has no compact_rows")
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn((6, 3, 10, 4), generator=g) for _ in range(3)]
+    before = [t.clone() for t in tensors]
+    pointers = [t.data_ptr() for t in tensors]
+    order, width = [1, 2, 4, 5], 7
+    rowgemm.compact_rows(tensors, order, width)
+    for t, old, ptr in zip(tensors, before, pointers):
+        assert t.data_ptr() == ptr
+        want = old.index_select(0, torch.tensor(order))
+        assert torch.equal(t[: len(order), :, :width], want[:, :, :width])
+        assert torch.equal(t[len(order):], old[len(order):])  # rows past the kept ones: as they were
+        assert torch.equal(t[0, :, width:], old[0, :, width:])  # positions past width: as they were
+    with pytest.raises(RuntimeError, match="strictly increasing"):
+        rowgemm.compact_rows(tensors, [2, 1], width)
+    with pytest.raises(RuntimeError, match="past the capacity"):
+        rowgemm.compact_rows(tensors, [0, 1], 11)

@@ -279,6 +279,9 @@ class LeanVerifier(VerifyPass):
         #: a draft tree's accepted cache entries moved by one call of the
         #: extension (where it is built), else by tensor indexing
         self.native_moves = fused_layers and rowgemm.move_cache_entries_available()
+        #: the rows kept after some finished moved up by one call of the
+        #: extension (where it is built), else by tensor copies
+        self.native_compact = fused_layers and rowgemm.compact_rows_available()
         #: the whole pass of a batch in one call of the extension where every
         #: layer is fused and the rest fits (made with the layers, in start)
         self.whole_pass: Optional[rowgemm.DecoderPass] = None
@@ -527,21 +530,38 @@ class LeanVerifier(VerifyPass):
             t[r, :, dst] = t[r, :, src]  # the right side is gathered first: overlaps are safe
 
     def reorder(self, state, new_order: Tensor, new_order_host: List[int]) -> None:
+        """Keep the rows ``new_order_host`` (increasing, as
+        :meth:`DecodingState.keep` gives them), in place: each cache's and
+        each encoder key/value tensor's kept rows are moved up to its first
+        rows (a cache's first ``max(state.lengths_host)`` positions, the
+        entries the kept rows hold), and the tensors become views of those
+        rows; the rest of each row is scratch (the cache invariant).  One call
+        of the extension where it runs, else tensor copies."""
         if self.last_features is not None:
             self.last_features = self.last_features.index_select(0, new_order)
+        n = len(new_order_host)
         width = max(state.lengths_host) if state.lengths_host else 0
+        caches = self.keys + self.values
+        cross = []  # each encoder key/value tensor as B x heads x S x d
+        if self.cross is not None:
+            for lw, pair in zip(self.layers, self.cross):
+                cross += [t.view((-1, lw.c_heads) + tuple(t.shape[1:])) for t in pair]
+        if self.native_compact and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                                       for t in caches + cross):
+            rowgemm.compact_rows(caches, new_order_host, width)
+            if cross:
+                rowgemm.compact_rows(cross, new_order_host, cross[0].size(2))
+        else:
+            for t in caches:
+                t[:n, :, :width] = t[:, :, :width].index_select(0, new_order)  # gathered first: overlaps are safe
+            for t in cross:
+                t[:n] = t.index_select(0, new_order)
         for store in (self.keys, self.values):
             for i, t in enumerate(store):
-                kept = t.new_zeros((len(new_order_host),) + t.shape[1:])
-                kept[:, :, :width] = t[:, :, :width].index_select(0, new_order)
-                store[i] = kept
+                store[i] = t[:n]
         if self.cross is not None:
-            kept = []
-            for lw, pair in zip(self.layers, self.cross):  # B*heads x S x d: select whole rows
-                rest = tuple(pair[0].shape[1:])
-                rows = [t.view((-1, lw.c_heads) + rest).index_select(0, new_order) for t in pair]
-                kept.append(tuple(t.view((-1,) + rest) for t in rows))
-            self.cross = kept
+            rows = iter(cross)
+            self.cross = [tuple(next(rows)[:n].reshape((-1,) + tuple(t.shape[1:])) for t in pair) for pair in self.cross]
         if self.enc_mask is not None:
             self.enc_mask = self.enc_mask.index_select(0, new_order)
             if not bool(self.enc_mask.any()):

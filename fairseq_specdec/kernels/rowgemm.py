@@ -392,3 +392,17 @@ def append_rows(tokens: Tensor, pos_scores: Tensor, lengths: Tensor, new_tokens:
     at columns ``lengths[r] + 1 ..``.  Returns ``(lengths + n_new, newest)``:
     new tensors, ``newest[r, 0]`` the row's last appended token."""
     return _ext.append_rows(tokens, pos_scores, lengths, new_tokens, new_lprobs, n_new)
+
+
+def compact_rows_available() -> bool:
+    """Whether the extension has :func:`compact_rows` (an older build may not)."""
+    return _ext is not None and hasattr(_ext, "compact_rows")
+
+
+def compact_rows(tensors: List[Tensor], order: List[int], width: int) -> None:
+    """In every tensor (B x H x cap x d float32, contiguous, on the CPU), row
+    ``order[i]``'s first ``width`` positions copied to row i, in place
+    (``compact_rows`` in ``csrc/step.cpp``); ``order`` strictly increasing.
+    The first ``len(order)`` rows are then the kept rows; the rest, and the
+    positions from ``width`` on, are left as they were."""
+    _ext.compact_rows(tensors, order, width)

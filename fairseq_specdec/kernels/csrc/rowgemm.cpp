@@ -1108,6 +1108,9 @@ std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& p
                                                const at::Tensor& new_tokens, const at::Tensor& new_lprobs,
                                                const at::Tensor& n_new);
 
+// csrc/step.cpp: the rows kept after some finished, moved up in place
+void compact_rows(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& order, int64_t width);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -1138,4 +1141,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("append_rows", &append_rows,
         "the loop's commit: each row's new tokens and log-probs written after its length, in place; returns the new "
         "lengths and each row's newest token");
+  m.def("compact_rows", &compact_rows,
+        "the rows kept after some finished, moved up in place in B x H x cap x d caches (their first width positions)");
 }

@@ -402,3 +402,29 @@ std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& p
   }
   return {out_lengths, newest};
 }
+
+// Rows kept after some rows finished, in place: in every tensor (B x H x cap
+// x d float32, contiguous, CPU: a layer's cached keys or values, or its
+// encoder keys and values seen as B x heads x S x d), row order[i]'s first
+// ``width`` positions of every head are copied to row i, for i in order.
+// ``order`` must be strictly increasing (the rows kept, in their order), so
+// that no row is overwritten before it is read.  Rows from len(order) on and
+// positions from ``width`` on are left as they were (scratch).
+void compact_rows(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& order, int64_t width) {
+  for (size_t i = 1; i < order.size(); ++i)
+    TORCH_CHECK(order[i] > order[i - 1], "compact_rows: the rows kept must be strictly increasing");
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                "compact_rows: every tensor must be a contiguous float32 B x H x cap x d CPU tensor");
+    const int64_t B = t.size(0), H = t.size(1), cap = t.size(2), d = t.size(3);
+    TORCH_CHECK(width >= 0 && width <= cap, "compact_rows: width ", width, " is past the capacity ", cap);
+    TORCH_CHECK(order.empty() || (order.front() >= 0 && order.back() < B), "compact_rows: a row kept is not in the tensor");
+    float* base = t.data_ptr<float>();
+    for (size_t i = 0; i < order.size(); ++i) {
+      const int64_t from = order[i], to = static_cast<int64_t>(i);
+      if (from == to) continue;
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(base + (to * H + h) * cap * d, base + (from * H + h) * cap * d, sizeof(float) * width * d);
+    }
+  }
+}
