@@ -215,7 +215,7 @@ def test_fused_layer_refuses_a_cache_too_small_by_name():
     keys = torch.zeros(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="needs cache positions up to 6, capacity 4"):
         rowgemm.fused_layer(torch.randn(1, 3, 16), rowgemm.packed_pairs(lin), norms, 1e-5, 2, 0.35, 2, 0.35, False, cross, None,
-                            torch.tensor([3]), keys, keys.clone())
+                            [3], keys, keys.clone())
 
 
 @pytest.mark.skipif(not rowgemm.bfloat16_available(), reason="the kernel or its bfloat16 panels are not available")

@@ -436,10 +436,9 @@ class LeanVerifier(VerifyPass):
                     self.keys, self.values, self.cross, pad, ancestors, dec.layer_norm, self.temperature,
                 )
                 return lprobs
-            starts = torch.tensor(lengths_host, dtype=torch.long)
             x = self._embed(tokens, state.lengths, depths).float().contiguous()
             for i, lw in enumerate(self.layers):
-                x = lw.fused(x, starts, self.keys[i], self.values[i], self.cross[i], pad, ancestors)
+                x = lw.fused(x, lengths_host, self.keys[i], self.values[i], self.cross[i], pad, ancestors)
             return self._finish(x, needed)
         x = self._embed(tokens, state.lengths, depths)
         start = lengths_host[0]

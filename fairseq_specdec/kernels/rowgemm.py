@@ -154,9 +154,9 @@ class FusedDecoderLayer:
         self.heads = int(sa.num_heads)
         self.normalize_before = bool(layer.normalize_before)
 
-    def __call__(self, x: Tensor, starts: Tensor, keys: Tensor, values: Tensor, cross: tuple,
+    def __call__(self, x: Tensor, starts: List[int], keys: Tensor, values: Tensor, cross: tuple,
                  enc_pad: Optional[Tensor], tree: Optional[Tensor] = None) -> Tensor:
-        """``x``: B x m x C; ``starts`` (B, int64): where each row's new
+        """``x``: B x m x C; ``starts`` (B host ints): where each row's new
         tokens go in ``keys``/``values`` (B x heads x capacity x d, written in
         place); ``cross``: the encoder attention's (B * heads) x S x d keys
         and values; ``enc_pad``: B x S, True at padding (or None); ``tree``:
@@ -167,7 +167,7 @@ class FusedDecoderLayer:
 
 
 def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: float, c_heads: int, c_scaling: float,
-                normalize_before: bool, cross: tuple, enc_pad: Optional[Tensor], starts: Optional[Tensor] = None,
+                normalize_before: bool, cross: tuple, enc_pad: Optional[Tensor], starts: Optional[List[int]] = None,
                 keys: Optional[Tensor] = None, values: Optional[Tensor] = None, tree: Optional[Tensor] = None) -> Tensor:
     """One call of the extension's ``decoder_layer``: ``weights`` are the
     :func:`packed_pairs` of six :class:`PackedLinear` (self-attention QKV and
@@ -179,16 +179,12 @@ def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: floa
     bidirectional over the rows of ``x`` (B x m x C)."""
     (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = weights
     (sl_w, sl_b), (cl_w, cl_b), (fl_w, fl_b) = norms
-    if starts is None:
-        starts = _NO_STARTS
     return _ext.decoder_layer(
-        x.contiguous(), starts, qkv_w, qkv_b, so_w, so_b, sl_w, sl_b, keys, values, heads, scaling,
+        x.contiguous(), [] if starts is None else starts, qkv_w, qkv_b, so_w, so_b, sl_w, sl_b, keys, values, heads, scaling,
         cq_w, cq_b, co_w, co_b, cl_w, cl_b, cross[0], cross[1], enc_pad, c_heads, c_scaling,
         f1_w, f1_b, f2_w, f2_b, fl_w, fl_b, normalize_before, eps, tree,
     )
 
-
-_NO_STARTS = torch.zeros(0, dtype=torch.long)
 
 
 def decoder_pass_available() -> bool:

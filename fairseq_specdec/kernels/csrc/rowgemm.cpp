@@ -628,6 +628,8 @@ int64_t checked_heads(int64_t heads, int64_t C, const char* what) {
   return heads;
 }
 
+}  // namespace
+
 // One Transformer decoder layer (ReLU FFN) over the m new tokens of every
 // row, in place of its PyTorch operations: a fairseq TransformerDecoderLayer
 // in the lean verify pass, or a drafter's block layer.  x: B x m x C.  With
@@ -639,9 +641,9 @@ int64_t checked_heads(int64_t heads, int64_t C, const char* what) {
 // (no cache).  Encoder
 // attention reads cross_keys/cross_values ((B * Hc) x S x dc) with enc_pad
 // (B x S, true = padding; may be undefined).  Post-norm unless
-// normalize_before.  Returns the layer's output, B x m x C.  (The binding,
-// decoder_layer, takes starts as a tensor.)
-torch::Tensor decoder_layer_at(
+// normalize_before.  starts: host ints (one per row with a cache, else
+// none).  Returns the layer's output, B x m x C.
+torch::Tensor decoder_layer(
     const torch::Tensor& x_in, const std::vector<int64_t>& starts_in,
     const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& sa_out_w, const torch::Tensor& sa_out_b,
     const torch::Tensor& sa_ln_w, const torch::Tensor& sa_ln_b, const c10::optional<torch::Tensor>& keys_opt,
@@ -740,33 +742,6 @@ torch::Tensor decoder_layer_at(
 
   feed_forward(s, fc1, fc2, F, final_ln_w, final_ln_b);
   return out.view({B, m, C});
-}
-
-}  // namespace
-
-torch::Tensor decoder_layer(
-    const torch::Tensor& x_in, const torch::Tensor& starts_t,
-    const torch::Tensor& qkv_w, const torch::Tensor& qkv_b, const torch::Tensor& sa_out_w, const torch::Tensor& sa_out_b,
-    const torch::Tensor& sa_ln_w, const torch::Tensor& sa_ln_b, const c10::optional<torch::Tensor>& keys_opt,
-    const c10::optional<torch::Tensor>& values_opt, int64_t heads, double scaling,
-    const torch::Tensor& ca_q_w, const torch::Tensor& ca_q_b, const torch::Tensor& ca_out_w, const torch::Tensor& ca_out_b,
-    const torch::Tensor& ca_ln_w, const torch::Tensor& ca_ln_b, const torch::Tensor& cross_keys,
-    const torch::Tensor& cross_values, const c10::optional<torch::Tensor>& enc_pad, int64_t c_heads, double c_scaling,
-    const torch::Tensor& fc1_w, const torch::Tensor& fc1_b, const torch::Tensor& fc2_w, const torch::Tensor& fc2_b,
-    const torch::Tensor& final_ln_w, const torch::Tensor& final_ln_b, bool normalize_before, double eps,
-    const c10::optional<torch::Tensor>& tree_opt) {
-  std::vector<int64_t> starts;
-  if (keys_opt.has_value() && keys_opt->defined()) {
-    TORCH_CHECK(starts_t.dim() == 1 && starts_t.size(0) == x_in.size(0) && starts_t.scalar_type() == torch::kLong &&
-                    starts_t.is_contiguous() && starts_t.device().is_cpu(),
-                "decoder_layer: starts must be a contiguous int64 CPU vector of B");
-    const int64_t* st = starts_t.data_ptr<int64_t>();
-    starts.assign(st, st + starts_t.size(0));
-  }
-  return decoder_layer_at(x_in, starts, qkv_w, qkv_b, sa_out_w, sa_out_b, sa_ln_w, sa_ln_b, keys_opt, values_opt, heads,
-                          scaling, ca_q_w, ca_q_b, ca_out_w, ca_out_b, ca_ln_w, ca_ln_b, cross_keys, cross_values,
-                          enc_pad, c_heads, c_scaling, fc1_w, fc1_b, fc2_w, fc2_b, final_ln_w, final_ln_b,
-                          normalize_before, eps, tree_opt);
 }
 
 // One Transformer encoder layer (ReLU FFN), in place of a fairseq
@@ -963,7 +938,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* t = layers.data() + l * kTensors;
     const double* s = scalars.data() + l * kScalars;
-    x = decoder_layer_at(x, starts, t[0], t[1], t[2], t[3], t[4], t[5], keys[l], values[l],
+    x = decoder_layer(x, starts, t[0], t[1], t[2], t[3], t[4], t[5], keys[l], values[l],
                       static_cast<int64_t>(s[0]), s[1], t[6], t[7], t[8], t[9], t[10], t[11], cross_keys[l],
                       cross_values[l], enc_pad, static_cast<int64_t>(s[2]), s[3], t[12], t[13], t[14], t[15],
                       t[16], t[17], s[4] != 0.0, s[5], tree);
