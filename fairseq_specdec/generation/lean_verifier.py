@@ -541,10 +541,10 @@ class LeanVerifier(VerifyPass):
         n = len(new_order_host)
         width = max(state.lengths_host) if state.lengths_host else 0
         caches = self.keys + self.values
-        cross = []  # each encoder key/value tensor as B x heads x S x d
-        if self.cross is not None:
-            for lw, pair in zip(self.layers, self.cross):
-                cross += [t.view((-1, lw.c_heads) + tuple(t.shape[1:])) for t in pair]
+        # each layer's encoder keys and values seen as B x heads x S x d (whole rows move)
+        pairs = [tuple(t.unflatten(0, (-1, lw.c_heads)) for t in pair)
+                 for lw, pair in zip(self.layers, self.cross or [])]
+        cross = [t for pair in pairs for t in pair]
         if self.native_compact and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                                        for t in caches + cross):
             rowgemm.compact_rows(caches, new_order_host, width)
@@ -559,8 +559,7 @@ class LeanVerifier(VerifyPass):
             for i, t in enumerate(store):
                 store[i] = t[:n]
         if self.cross is not None:
-            rows = iter(cross)
-            self.cross = [tuple(next(rows)[:n].reshape((-1,) + tuple(t.shape[1:])) for t in pair) for pair in self.cross]
+            self.cross = [tuple(t[:n].flatten(0, 1) for t in pair) for pair in pairs]
         if self.enc_mask is not None:
             self.enc_mask = self.enc_mask.index_select(0, new_order)
             if not bool(self.enc_mask.any()):

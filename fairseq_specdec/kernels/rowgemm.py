@@ -180,11 +180,10 @@ def fused_layer(x: Tensor, weights, norms, eps: float, heads: int, scaling: floa
     (qkv_w, qkv_b), (so_w, so_b), (cq_w, cq_b), (co_w, co_b), (f1_w, f1_b), (f2_w, f2_b) = weights
     (sl_w, sl_b), (cl_w, cl_b), (fl_w, fl_b) = norms
     return _ext.decoder_layer(
-        x.contiguous(), [] if starts is None else starts, qkv_w, qkv_b, so_w, so_b, sl_w, sl_b, keys, values, heads, scaling,
-        cq_w, cq_b, co_w, co_b, cl_w, cl_b, cross[0], cross[1], enc_pad, c_heads, c_scaling,
+        x.contiguous(), [] if starts is None else starts, qkv_w, qkv_b, so_w, so_b, sl_w, sl_b, keys, values,
+        heads, scaling, cq_w, cq_b, co_w, co_b, cl_w, cl_b, cross[0], cross[1], enc_pad, c_heads, c_scaling,
         f1_w, f1_b, f2_w, f2_b, fl_w, fl_b, normalize_before, eps, tree,
     )
-
 
 
 def decoder_pass_available() -> bool:

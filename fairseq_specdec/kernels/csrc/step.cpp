@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& p
     TORCH_CHECK(lp[r] >= 0 && lp[r] + n < W, "append_rows: row ", r, " at length ", lp[r], " cannot take ", n,
                 " columns of ", W);
   }
-  at::Tensor out_lengths = at::empty({B}, lengths.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out_lengths = at::empty({B}, lengths.options());
   at::Tensor newest = at::empty({B, 1}, tokens.options());
   int64_t* ol = out_lengths.data_ptr<int64_t>();
   int64_t* nw = newest.data_ptr<int64_t>();
