@@ -158,6 +158,37 @@ def test_drafter_drafts_each_heads_best_allowed_type(built, shortlist):
     assert torch.equal(drafter.propose(state, 2)[0], expected[[2, 0]])
 
 
+def test_heads_run_only_when_a_draft_is_asked_for(built):
+    """An iteration that does not draft costs the drafter no heads: update
+    keeps the states, the first propose computes the heads once, a second
+    propose (or a tree) reuses them, and rows retired in between are
+    dropped from the states the heads then read."""
+    from fairseq_specdec.generation.drafters import BlockwiseHeadsDrafter
+
+    model, task, _ = built
+    drafter = BlockwiseHeadsDrafter(model, shortlist=8)
+    state, feedback, states = fake_batch(task)
+    calls = []
+    heads = drafter._heads
+    drafter._heads = lambda: calls.append(drafter.states.size(0)) or heads()
+    with torch.no_grad():
+        drafter.start_batch(state)
+        for _ in range(3):  # iterations that do not draft
+            drafter.update(state, feedback)
+        assert calls == []
+        full = drafter.propose(state, 2)[0]
+        drafter.propose(state, 1)
+        assert calls == [4]
+        drafter.update(state, feedback)
+        drafter.reorder(torch.tensor([3, 1]), [3, 1])  # rows retire before the next draft
+        assert torch.equal(drafter.propose(state, 2)[0], full[[3, 1]])
+        assert calls == [4, 2]
+        tree = drafter.propose_tree(state, 2, 3)
+        assert calls == [4, 2, 2] and tree.size > 0
+        drafter.propose_tree(state, 2, 3)
+        assert calls == [4, 2, 2]
+
+
 def _not_special(d):
     allowed = torch.ones(len(d), dtype=torch.bool)
     allowed[d.pad()] = allowed[d.bos()] = False

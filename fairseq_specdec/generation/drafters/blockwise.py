@@ -22,7 +22,20 @@ class BlockwiseHeadsDrafter(Drafter, TreeDrafter, TimedParts):
     and picks the shortlist (:class:`ShortlistProjection` of the model's
     ``blockwise_shortlist``), so an update costs three small products and one
     projection of k-1 rows onto the shortlist.  Padding and BOS are never
-    drafted."""
+    drafted.
+
+    The heads run when a draft is asked for, not when the state arrives:
+    :meth:`update` keeps the rows' newest verifier states, and the first
+    :meth:`propose` or :meth:`propose_tree` after it computes the heads once
+    from them.  An iteration that does not draft (a batch whose rows the
+    loop's rule keeps from drafting) costs the drafter nothing; the drafts
+    are the same either way, since they depend on those states alone.
+
+    Invariant between two iterations: ``states`` is None before the first
+    update of a batch, else B x C, row ``i`` the verifier's state that
+    predicted row ``i``'s newest token; ``pending`` and ``pending_top`` are
+    None or the heads' drafts from exactly those states (rows reordered
+    with them)."""
 
     def __init__(self, model, shortlist: Optional[int] = None, kernels: DraftKernels = NO_KERNELS):
         if not isinstance(model, BlockwiseHeadsModel):
@@ -33,7 +46,8 @@ class BlockwiseHeadsDrafter(Drafter, TreeDrafter, TimedParts):
         self.projection = ShortlistProjection(
             size, len(dictionary), joined_dictionaries(model), (dictionary.pad(), dictionary.bos()), kernels
         )
-        self.pending = None  # B x (k-1) drafts for the next iteration
+        self.states = None  # B x C: the states the next drafts are read from (None: no draft yet)
+        self.pending = None  # B x (k-1): the drafts from them, once asked for
         self.pending_top = None  # their candidates for a draft tree: (types, log-probs), B x (k-1) x c
         self.w1 = self.b1 = self.w2 = self.b2 = None
 
@@ -47,10 +61,12 @@ class BlockwiseHeadsDrafter(Drafter, TreeDrafter, TimedParts):
 
     def timed_parts(self, k: int):
         yield self, "start_batch", "drafter start of batch (the heads' layout, the shortlist)"
-        yield self, "update", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)"
+        yield self, "propose", f"blockwise heads (up to {k} drafts from the verifier's state, shortlist projection)", False
+        yield self, "propose_tree", f"blockwise heads (up to {k} drafts' top candidates for a tree)", False
+        yield self, "update", "drafter feedback (the verifier's state)"
 
     def start_batch(self, state):
-        self.pending = self.pending_top = None
+        self.states = self.pending = self.pending_top = None
         heads = self.model.heads
         num_heads, dim, hidden = heads.fc1.shape
         self.w1 = heads.fc1.detach().permute(1, 0, 2).reshape(dim, num_heads * hidden)
@@ -60,35 +76,38 @@ class BlockwiseHeadsDrafter(Drafter, TreeDrafter, TimedParts):
         self.projection.start_batch(output.weight, output.bias, state.net_input["src_tokens"])
 
     def update(self, state, feedback):
-        x = feedback.newest_states()  # B x C
+        self.states = feedback.newest_states()  # B x C; the heads wait for a propose
+        self.pending = self.pending_top = None
+
+    def _heads(self):
+        """The heads' output states from ``states``: (B * (k-1)) x C, row-major by row then head."""
+        x = self.states
         bsz, num_heads = x.size(0), self.w2.size(0)
         hidden = torch.relu(torch.addmm(self.b1, x, self.w1)).view(bsz, num_heads, -1).transpose(0, 1)
         out = torch.baddbmm(self.b2, hidden, self.w2).transpose(0, 1) + x.unsqueeze(1)  # B x (k-1) x C
-        p = self.projection
-        if self.trees:
-            types, lprobs = p.top(out.reshape(bsz * num_heads, -1), TREE_CANDIDATES)
-            self.pending_top = (types.view(bsz, num_heads, -1), lprobs.view(bsz, num_heads, -1))
-            self.pending = self.pending_top[0][:, :, 0]
-            return
-        best = p(out.reshape(bsz * num_heads, -1)).argmax(-1).view(bsz, num_heads)
-        self.pending = p.types(best)
+        return out.reshape(bsz * num_heads, -1)
 
     def propose(self, state, k):
-        if self.pending is None:
+        if self.states is None:
             return state.tokens.new_zeros((state.size, 0)), None
+        if self.pending is None:
+            p = self.projection
+            self.pending = p.types(p(self._heads()).argmax(-1).view(self.states.size(0), -1))
         return self.pending[:, :k], None
 
-    #: whether update() keeps candidates for trees (set by the first propose_tree)
-    trees = False
-
     def propose_tree(self, state, k, nodes):
-        self.trees = True
-        if self.pending_top is None:  # the first iteration (or the first since trees were asked for)
+        if self.states is None:  # the first iteration of a batch
             return chain_tree(state.tokens.new_zeros((state.size, 0)))
+        if self.pending_top is None:
+            types, lprobs = self.projection.top(self._heads(), TREE_CANDIDATES)
+            rows = self.states.size(0)
+            self.pending_top = (types.view(rows, -1, types.size(-1)), lprobs.view(rows, -1, lprobs.size(-1)))
         types, lprobs = self.pending_top
         return tree_from_candidates(types[:, :k], lprobs[:, :k], nodes, self.model.decoder.dictionary.pad())
 
     def reorder(self, order, order_host):
+        if self.states is not None:
+            self.states = self.states.index_select(0, order)
         if self.pending is not None:
             self.pending = self.pending.index_select(0, order)
         if self.pending_top is not None:
