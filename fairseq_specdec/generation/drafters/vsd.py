@@ -55,9 +55,11 @@ class VerifierStateDrafter(Drafter, TreeDrafter, StaticDrafter, TimedParts):
 
     def start_batch(self, state) -> None:
         model = self.model
-        # the slots' position table, for eager passes (the fixed buffers of static ones leave it out)
-        first = 0 if self.static else min(state.width, self.FIRST_POSITIONS)
-        self.memory = model.source_memory(state.encoder_out, positions=first)
+        # eager passes make the rows' source memory at their first draft
+        # (_source_memory): a batch whose rows the loop keeps from drafting
+        # until most have finished never makes, nor reorders, the memory of
+        # the finished ones; the fixed buffers of static passes need it now
+        self.memory = model.source_memory(state.encoder_out, positions=0) if self.static else None
         self.ctx_states = model.start_state.unsqueeze(0).expand(state.size, -1)
         self.projection.start_batch(model.output_weight, None, state.net_input["src_tokens"])
         if self.static:
@@ -130,9 +132,18 @@ class VerifierStateDrafter(Drafter, TreeDrafter, StaticDrafter, TimedParts):
         if need > size and size < most:
             self.memory["copy_base"] = self.model.position_table(self.memory, min(max(2 * size, need), most))
 
+    def _source_memory(self, state) -> None:
+        """The active rows' source memory (eager passes), from the state's
+        encoder output, which holds exactly the active rows; with the
+        slots' first position table."""
+        if self.memory is None:
+            self.memory = self.model.source_memory(state.encoder_out,
+                                                   positions=min(state.width, self.FIRST_POSITIONS))
+
     def _block_states(self, state, k: int) -> Tensor:
         """The drafter's B x k final states of one pass: one per drafted position."""
         if not self.static:
+            self._source_memory(state)
             self._cover(state, k)
         tokens = state.last_tokens().squeeze(1)
         if self.native is not None and not self.static:
@@ -180,7 +191,8 @@ class VerifierStateDrafter(Drafter, TreeDrafter, StaticDrafter, TimedParts):
         yield self, "update", "drafter feedback (the verifier's state)"
 
     def reorder(self, order, order_host) -> None:
-        self.memory = self.model.select_memory(self.memory, order)
+        if self.memory is not None:  # (else made for the kept rows when they first draft)
+            self.memory = self.model.select_memory(self.memory, order)
         self.ctx_states = self.ctx_states.index_select(0, order)
         if self.static:  # the kept rows, into the buffers of their number
             self._to_static()
