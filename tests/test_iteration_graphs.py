@@ -165,3 +165,47 @@ def test_growing_table_of_slot_rows_gives_the_drafts_of_the_whole_table(toy_bin,
     grown = [size for first, size, need in sizes if first == 2]
     assert max(grown) > 4  # it grew, more than once
     assert all(size >= need for first, size, need in sizes if first == 2)  # every slot inside the table
+
+
+def test_vsd_makes_the_source_memory_of_the_rows_left_at_their_first_draft(toy_bin, verifier, beam1_reference,
+                                                                           vsd_checkpoint):
+    """An eager specdec_vsd drafter makes its source memory at a batch's
+    first draft, not at its start: where the loop drafts only once at most
+    2 rows are unfinished, the memory first made is that of the rows left
+    (the whole batch's memory, as the start of the batch would have made it,
+    at those rows' places in the batch), and the decoding is --beam 1's."""
+    from fairseq_specdec.generation.draft_policy import DraftLengthPolicy, FixedRows
+
+    model, task = verifier
+    d = task.target_dictionary
+    drafter = vsd_drafter(toy_bin, vsd_checkpoint, model)
+    whole, made = {}, []
+    start_batch, propose = drafter.start_batch, drafter.propose
+
+    def starting(state):
+        start_batch(state)
+        assert drafter.memory is None  # nothing made before a draft is asked for
+        whole["encoder_out"] = state.encoder_out
+
+    def proposing(state, k):
+        fresh = drafter.memory is None
+        out = propose(state, k)
+        if fresh:
+            memory = drafter.memory
+            expected = drafter.model.select_memory(
+                drafter.model.source_memory(whole["encoder_out"], positions=memory["copy_base"].size(1)),
+                torch.tensor(state.rows))
+            for name in ("mask", "copy_keys", "copy_values", "copy_pad", "copy_base"):
+                torch.testing.assert_close(memory[name], expected[name], rtol=1e-5, atol=1e-5)
+            for got, want in zip(memory["layers"], expected["layers"]):
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            made.append((state.size, state.batch_size))
+        return out
+
+    drafter.start_batch, drafter.propose = starting, proposing
+    policy = DraftLengthPolicy(4, rows=FixedRows(2))
+    gen = generator(model, drafter, d, "off", draft_policy=policy)
+    assert_identical(beam1_reference("default", 5), run_generator(gen, model, H.batches(task, "test", 5)))
+    assert made and all(size <= 2 for size, _ in made)
+    assert any(batch > size for size, batch in made)  # rows had retired before the first draft
