@@ -20,7 +20,7 @@ class BlockwiseHeadsDrafter(Drafter, TreeDrafter, TimedParts):
     Per batch it lays the heads' weights out for one product each (the first
     layers of all heads side by side, the second layers as a batched product)
     and picks the shortlist (:class:`ShortlistProjection` of the model's
-    ``blockwise_shortlist``), so an update costs three small products and one
+    ``blockwise_shortlist``), so a draft costs three small products and one
     projection of k-1 rows onto the shortlist.  Padding and BOS are never
     drafted.
 
