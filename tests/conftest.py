@@ -131,6 +131,48 @@ def random_drafter_checkpoint(toy_bin, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def stock_beam1(toy_bin, tmp_path_factory):
+    """``get(path, *extra, batch_size=1, task="draft_verify", split="test")``:
+    the hypotheses (:func:`specdec_helpers.parse_generate`) of
+    ``fairseq-generate --beam 1`` with a checkpoint on the toy corpus, the
+    reference many test files compare with; each set of arguments is run
+    once per test run (:func:`shared`) and handed out as a new dict."""
+    import hashlib
+    from pathlib import Path
+
+    cache = {}
+
+    def get(path, *extra, batch_size=1, task="draft_verify", split="test"):
+        key = (str(path), tuple(str(e) for e in extra), batch_size, task, split)
+        if key not in cache:
+            def build(root):
+                proc = H.generate(toy_bin, path, *extra, task=task, batch_size=batch_size, split=split)
+                (root / "stdout.txt").write_text(proc.stdout)
+                return str(root / "stdout.txt")
+
+            name = "beam1_" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+            cache[key] = H.parse_generate(Path(shared(tmp_path_factory, name, build)).read_text())
+        return dict(cache[key])
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def baseline(ar_checkpoint, stock_beam1):
+    """``get(bsz, split="test")``: fairseq's own ``--beam 1`` with the toy
+    Transformer (the stock translation task, nothing dropped: every
+    sentence of the split)."""
+
+    def get(bsz, split="test"):
+        hyps = stock_beam1(ar_checkpoint, "--required-batch-size-multiple", "1", task="translation", batch_size=bsz,
+                           split=split)
+        assert sorted(hyps) == list(range(H.SPLIT_SIZES[split]))
+        return hyps
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def verifier(ar_checkpoint, toy_bin):
     """(model, task) of the trained tiny Transformer, loaded in-process."""
     return H.load_model(ar_checkpoint, toy_bin)

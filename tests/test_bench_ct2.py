@@ -99,7 +99,7 @@ def test_length_limit_is_fairseqs():
 
 
 @pytest.mark.slow
-def test_ct2_rows_end_to_end(toy_bin, ar_checkpoint, tmp_path):
+def test_ct2_rows_end_to_end(toy_bin, ar_checkpoint, stock_beam1, tmp_path):
     pytest.importorskip("ctranslate2", reason=CT2_MISSING)
     raw_ref = Path(toy_bin).parent / "raw" / "test.tgt"
     out = tmp_path / "bench"
@@ -121,7 +121,7 @@ def test_ct2_rows_end_to_end(toy_bin, ar_checkpoint, tmp_path):
         assert row["sacrebleu"] == rows[f"beam1@bs{bs}"]["sacrebleu"]
         assert rows[f"ct2-int8@bs{bs}"]["sentences"] == H.SPLIT_SIZES["test"]
     # fairseq-generate itself (not the harness) gives the same sentences
-    ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify").stdout)
+    ref = stock_beam1(ar_checkpoint)
     hyp = (out / "hyp.ct2@bs1.txt").read_text().splitlines()
     assert [ref[i][1] for i in sorted(ref)] == hyp
     assert "| CTranslate2 greedy (float32) | 1 |" in (out / "results.md").read_text()

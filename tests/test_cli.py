@@ -20,23 +20,6 @@ def n_tokens(hyps):
     return sum(len(t.split()) for _, t, _ in hyps.values())
 
 
-@pytest.fixture(scope="module")
-def baseline(toy_bin, ar_checkpoint):
-    """fairseq's own --beam 1 (stock translation task, nothing dropped), per batch size."""
-    cache = {}
-
-    def get(bsz, split="test"):
-        if (bsz, split) not in cache:
-            proc = H.generate(toy_bin, ar_checkpoint, "--required-batch-size-multiple", "1",
-                              task="translation", batch_size=bsz, split=split)
-            hyps = H.parse_generate(proc.stdout)
-            assert sorted(hyps) == list(range(H.SPLIT_SIZES[split]))
-            cache[(bsz, split)] = hyps
-        return cache[(bsz, split)]
-
-    return get
-
-
 # ---- 2. stock checkpoint round trip -----------------------------------------------
 
 

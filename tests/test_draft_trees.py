@@ -363,17 +363,10 @@ def tok_of(out):
 
 
 @pytest.fixture(scope="module")
-def beam1_cli(toy_bin, ar_checkpoint):
+def beam1_cli(ar_checkpoint, stock_beam1):
     """fairseq-generate --beam 1's hypotheses of a verifier (default: the
-    toy Transformer) at a batch size, run once per module."""
-    cache = {}
-
-    def get(bsz, path=ar_checkpoint):
-        if (path, bsz) not in cache:
-            cache[path, bsz] = H.parse_generate(H.generate(toy_bin, path, task="draft_verify", batch_size=bsz).stdout)
-        return cache[path, bsz]
-
-    return get
+    toy Transformer) at a batch size."""
+    return lambda bsz, path=ar_checkpoint: stock_beam1(path, batch_size=bsz)
 
 
 @pytest.mark.slow

@@ -97,12 +97,11 @@ def test_every_decoding_in_half_precision_matches_beam1_in_the_same_precision(
 @pytest.mark.slow
 @pytest.mark.parametrize("decoding", ["draft-verify-nat", "draft-verify-vsd", "drafter-in-path", "blockwise"])
 def test_fairseq_generate_fp16_on_cpu_identical_to_beam1_fp16_at_batch_1(
-        decoding, toy_bin, ar_checkpoint, nat_checkpoint, vsd_checkpoint, blockwise_checkpoint):
+        decoding, toy_bin, ar_checkpoint, nat_checkpoint, vsd_checkpoint, blockwise_checkpoint, stock_beam1):
     """The user's path: fairseq-generate --fp16 --cpu; the drafter of
     --drafter-path is cast by the plugin, models in --path by fairseq."""
     verifier = blockwise_checkpoint if decoding == "blockwise" else ar_checkpoint
-    ref = H.parse_generate(H.generate(toy_bin, verifier, "--fp16", task="draft_verify").stdout)
-    ref32 = H.parse_generate(H.generate(toy_bin, verifier, task="draft_verify").stdout)
+    ref, ref32 = stock_beam1(verifier, "--fp16"), stock_beam1(verifier)
     # float16 is really used: some log-prob differs from float32 decoding
     assert any(ref[i][2] != ref32[i][2] for i in ref)
     path, extra = verifier, ["--decoding", "draft-verify"]
@@ -127,7 +126,7 @@ def test_benchmark_fp16_reaches_fairseq_generate():
 
 
 @pytest.mark.slow
-def test_benchmark_fp16_rows(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
+def test_benchmark_fp16_rows(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path, stock_beam1):
     """scripts/benchmark.py --fp16: fairseq's beam 1 row is fairseq-generate
     --fp16's output, strict draft-verify at batch 1 is identical to it."""
     import json
@@ -142,6 +141,6 @@ def test_benchmark_fp16_rows(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):
     assert results["precision"] == "float16"
     rows = {r["name"]: r for r in results["rows"]}
     assert rows["strict@bs1"]["identical_to_beam1"]
-    ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, "--fp16", task="draft_verify").stdout)
+    ref = stock_beam1(ar_checkpoint, "--fp16")
     assert (out / "hyp.beam1@bs1.txt").read_text().splitlines() == [ref[i][1] for i in sorted(ref)]
     assert "float16" in (out / "results.md").read_text()

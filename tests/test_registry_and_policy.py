@@ -295,11 +295,10 @@ register_decoding(Decoding(name="oracle", help="drafts the --beam 1 output read 
 
 
 @pytest.fixture(scope="module")
-def oracle_plugin(toy_bin, ar_checkpoint, tmp_path_factory):
+def oracle_plugin(toy_bin, ar_checkpoint, stock_beam1, tmp_path_factory):
     """(plugin directory, fairseq's --beam 1 hypotheses)."""
     root = tmp_path_factory.mktemp("plugin")
-    ref = H.generate(toy_bin, ar_checkpoint, "--decoding", "autoregressive", task="draft_verify", batch_size=16)
-    hyps = H.parse_generate(ref.stdout)
+    hyps = stock_beam1(ar_checkpoint, "--decoding", "autoregressive", batch_size=16)
     assert sorted(hyps) == list(range(50))
     reference = root / "beam1.json"
     reference.write_text(json.dumps({i: tokens for i, (_, tokens, _) in hyps.items()}))

@@ -77,21 +77,6 @@ def test_the_backend_chooses_the_int8_products(toy_bin, ar_checkpoint, backend):
     assert gen.drafter.copy.fused is native
 
 
-@pytest.fixture(scope="module")
-def baseline(toy_bin, ar_checkpoint):
-    cache = {}
-
-    def get(bsz):
-        if bsz not in cache:
-            proc = H.generate(toy_bin, ar_checkpoint, "--required-batch-size-multiple", "1", task="translation",
-                              batch_size=bsz)
-            cache[bsz] = H.parse_generate(proc.stdout)
-            assert sorted(cache[bsz]) == list(range(H.SPLIT_SIZES["test"]))
-        return cache[bsz]
-
-    return get
-
-
 def stats_of(proc):
     found = STATS.findall(proc.stdout + proc.stderr)
     assert found, (proc.stdout + proc.stderr)[-3000:]

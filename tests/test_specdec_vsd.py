@@ -71,8 +71,8 @@ def test_vsd_trains_above_chance_and_is_small(vsd_training, ar_checkpoint):
 @pytest.mark.parametrize("bsz", [1, 16])
 @pytest.mark.parametrize("extra", [[], ["--adaptive-draft"], ["--adaptive-draft", "--draft-min-confidence", "0.3"],
                                    ["--specdec-backend", "reference"]])
-def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, bsz, extra):
-    ref = H.parse_generate(H.generate(toy_bin, ar_checkpoint, task="draft_verify", batch_size=bsz).stdout)
+def test_vsd_strict_identical_to_beam1(toy_bin, ar_checkpoint, vsd_training, stock_beam1, bsz, extra):
+    ref = stock_beam1(ar_checkpoint, batch_size=bsz)
     proc = H.generate(
         toy_bin, ar_checkpoint, "--decoding", "draft-verify", "--drafter-path", vsd_training[0], *extra,
         "--draft-max-rows", "0", task="draft_verify", batch_size=bsz,
