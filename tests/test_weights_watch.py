@@ -4,23 +4,12 @@ Optimizers write through ``p.data``: no version bump, same storage."""
 import pytest
 import torch
 
-from functools import partial
-
-from fairseq_specdec.kernels import rowgemm
 from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch
 
-NO_FINGERPRINT = None if rowgemm.weights_fingerprint_available() else "the extension is not built (or has no weights_fingerprint)"
 
-
-@pytest.fixture(params=["tensor-ops", "native"])
-def make_watch(request):
-    """Each test runs on both ways of reading the weights: tensor operations,
-    and the extension's one-call fingerprint (the native passes' watch)."""
-    if request.param == "tensor-ops":
-        return WeightsWatch
-    if NO_FINGERPRINT:
-        pytest.skip(NO_FINGERPRINT)
-    return partial(WeightsWatch, rowgemm.weights_fingerprint)
+@pytest.fixture
+def make_watch():
+    return WeightsWatch
 
 
 def weights():
@@ -127,33 +116,3 @@ def test_module_parameters_reads_what_parameters_reads_and_sees_a_replaced_param
     assert watch.changed(read())
     net[0].bias = None  # a parameter removed
     assert len(read()) == 2
-
-
-@pytest.mark.skipif(bool(NO_FINGERPRINT), reason=str(NO_FINGERPRINT))
-def test_the_fingerprint_reads_the_elements_the_tensor_ops_sample_in_logical_order():
-    """Its sampled bits are those of the elements ``_sampled_values`` reads
-    (a transposed weight's too), and a weight it cannot read (elements of 16
-    bytes) makes the watch read the list with tensor operations."""
-    from fairseq_specdec.utils.projection import _sampled_values
-
-    for w in (torch.randn(40, 30), torch.randn(30, 40).t(), torch.randn(7), torch.randn(3, 5, 2)[:, 1:4].transpose(0, 2),
-              torch.tensor(2.5), torch.randn(4, 4).to(torch.bfloat16)):
-        fp = rowgemm.weights_fingerprint([w])
-        samples = _sampled_values(w).contiguous()
-        size = samples.element_size()  # the bits, zero-extended to 64
-        bits = samples.view({2: torch.int16, 4: torch.int32}[size]).to(torch.int64) & ((1 << (8 * size)) - 1)
-        assert fp[0].item() == 1 and fp[1].item() == w.data_ptr() and fp[2].item() == w._version
-        assert fp[4].item() == w.dim() and fp[5 : 5 + w.dim()].tolist() == list(w.shape)
-        assert fp[5 + w.dim():].tolist() == bits.tolist(), w.shape
-    wide = [torch.randn(8, dtype=torch.complex128)]
-    assert rowgemm.weights_fingerprint(wide) is None
-    watch = WeightsWatch(rowgemm.weights_fingerprint)
-    assert watch.changed(wide) and not watch.changed(wide)
-    with torch.no_grad():
-        wide[0].data[0] += 1.0
-    assert watch.changed(wide)
-    plain = weights()  # back to the one-call reading, then a change seen by it
-    assert watch.changed(plain) and not watch.changed(plain)
-    with torch.no_grad():
-        plain[1].data[0] += 1.0
-    assert watch.changed(plain)

@@ -65,13 +65,6 @@ def lean_encoder_unsupported_reason(encoder) -> Optional[str]:
     return None
 
 
-def native_weights_watch() -> WeightsWatch:
-    """The watch over the weights a native pass packed: their facts read in
-    one call of the extension where it has it (the check at every batch
-    costs a few tensor operations a weight otherwise)."""
-    return WeightsWatch(rowgemm.weights_fingerprint if rowgemm.weights_fingerprint_available() else None)
-
-
 class LeanEncoder:
     """``encoder.forward_torchscript(net_input)`` at inference, its layers as
     fused C++ calls (see the module docstring).
@@ -85,7 +78,7 @@ class LeanEncoder:
             raise ValueError(f"the lean encoder cannot run this encoder: {reason}")
         self.encoder = encoder
         self.layers: List[rowgemm.FusedEncoderLayer] = []
-        self._weights = native_weights_watch()
+        self._weights = WeightsWatch()
         self._parameters = ModuleParameters(encoder.layers)
 
     def __call__(self, net_input) -> Dict[str, List[Tensor]]:

@@ -34,7 +34,7 @@ from ..kernels import rowgemm
 from ..utils.int8 import Int8Linear, int8_unavailable_reason
 from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears, transposed_linear
 from ..utils.encoder_out import encoder_states
-from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason, native_weights_watch
+from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
 
 #: how the lean pass computes its matrix products (the backend chooses;
@@ -264,8 +264,7 @@ class LeanVerifier(VerifyPass):
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
         self.project_out: Optional[object] = None  # the decoder's project_out_dim, laid out for gemm
         self.layers = []
-        #: the weights the layouts below were made from
-        self._weights = native_weights_watch() if self.gemm == "rowgemm" else WeightsWatch()
+        self._weights = WeightsWatch()  # the weights the layouts below were made from
         self._layer_parameters = ModuleParameters(self.decoder.layers)
         self.keys: List[Tensor] = []
         self.values: List[Tensor] = []

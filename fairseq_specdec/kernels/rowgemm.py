@@ -401,22 +401,3 @@ def compact_rows(tensors: List[Tensor], order: List[int], width: int) -> None:
     The first ``len(order)`` rows are then the kept rows; the rest, and the
     positions from ``width`` on, are left as they were."""
     _ext.compact_rows(tensors, order, width)
-
-
-def weights_fingerprint_available() -> bool:
-    """Whether the extension has :func:`weights_fingerprint` (an older build may not)."""
-    return _ext is not None and hasattr(_ext, "weights_fingerprint")
-
-
-def weights_fingerprint(weights: List[Tensor]) -> Optional[Tensor]:
-    """What :class:`~fairseq_specdec.utils.projection.WeightsWatch` compares
-    between two looks, read in one call (``weights_fingerprint`` in
-    ``csrc/step.cpp``): the list's length, then each weight's data pointer,
-    version, element type, sizes and the bits of its 16 sampled elements, as
-    one int64 tensor.  None where a weight is not on the CPU (the watch then
-    reads them with tensor operations; so where an element is wider than
-    8 bytes)."""
-    try:
-        return _ext.weights_fingerprint(weights)
-    except RuntimeError:  # the extension refuses what it cannot read
-        return None

@@ -62,24 +62,12 @@ class WeightsWatch:
     storage kept from the last look (the view keeps that storage alive too);
     all weights' values are then gathered by one ``torch.cat`` and compared
     with one ``torch.equal``: two tensor operations and one host read for
-    the whole list, however many weights it holds.
+    the whole list, however many weights it holds."""
 
-    ``fingerprint``: a function that reads the same facts of a list of
-    weights in one call (the native path's
-    :func:`fairseq_specdec.kernels.rowgemm.weights_fingerprint`: pointers,
-    versions, types, sizes and the sampled elements' bits, as one tensor),
-    or returns None where it cannot (a weight not on the CPU); the watch
-    then compares one tensor with one ``torch.equal``, and keeps the
-    weights' storages alive from a change to the next, as the views do."""
-
-    def __init__(self, fingerprint: Optional[Callable[[list], Optional[Tensor]]] = None):
-        self._fingerprint = fingerprint
+    def __init__(self):
         self._meta = None
         self._views = None
         self._values = None
-        #: the fingerprint of the last look where it was read (else None), and the storages it points into
-        self._print = None
-        self._storages = None
         #: how many times the weights were seen changed (0: never looked)
         self.generation = 0
 
@@ -96,18 +84,9 @@ class WeightsWatch:
         """Whether ``weights`` differ from those of the last call (True at the
         first call); remembers them either way."""
         weights = list(weights)
-        fingerprint = self._fingerprint(weights) if self._fingerprint is not None else None
-        if fingerprint is not None:
-            if self._print is not None and torch.equal(fingerprint, self._print):
-                return False
-            self._meta = self._views = self._values = None
-            self._print, self._storages = fingerprint, [w.untyped_storage() for w in weights]
-            self.generation += 1
-            return True
         meta = self._meta_of(weights)
         if meta == self._meta and (not weights or torch.equal(self._read(weights), self._values)):
             return False
-        self._print = self._storages = None
         self._meta = meta
         self._views = [_sampled_values(w) if w.is_contiguous() else None for w in weights]
         self._values = self._read(weights).clone() if weights else None

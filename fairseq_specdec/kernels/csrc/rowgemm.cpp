@@ -1086,9 +1086,6 @@ std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& p
 // csrc/step.cpp: the rows kept after some finished, moved up in place
 void compact_rows(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& order, int64_t width);
 
-// csrc/step.cpp: what WeightsWatch compares between two looks at a list of CPU weights
-at::Tensor weights_fingerprint(const std::vector<at::Tensor>& weights);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
@@ -1121,6 +1118,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "lengths and each row's newest token");
   m.def("compact_rows", &compact_rows,
         "the rows kept after some finished, moved up in place in B x H x cap x d caches (their first width positions)");
-  m.def("weights_fingerprint", &weights_fingerprint,
-        "CPU weights' pointers, versions, types, sizes and 16 sampled elements' bits, as one int64 tensor");
 }

@@ -37,7 +37,6 @@
 // output.  ``lprobs`` is only read.
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -428,44 +427,4 @@ void compact_rows(const std::vector<at::Tensor>& tensors, const std::vector<int6
         std::memcpy(base + (to * H + h) * cap * d, base + (from * H + h) * cap * d, sizeof(float) * width * d);
     }
   }
-}
-
-// What WeightsWatch (utils/projection.py) compares between two looks at a
-// list of weights, read in one call instead of some five tensor operations a
-// weight: for each weight its data pointer, version (-1 for an inference
-// tensor, which keeps none), element type, dimensions and sizes, then the
-// bits of the same 16 elements the Python watch samples (the elements at
-// flat indices 0, s, 2s, ... below 16 s, s = max(1, numel / 16), in the
-// weight's logical order whatever its strides), each widened to 64 bits.
-// Two lists give equal results only when every one of these is equal; the
-// list's length comes first.  Every weight must be on the CPU.
-at::Tensor weights_fingerprint(const std::vector<at::Tensor>& weights) {
-  std::vector<int64_t> out;
-  out.reserve(1 + weights.size() * 24);
-  out.push_back(static_cast<int64_t>(weights.size()));
-  for (const auto& w : weights) {
-    TORCH_CHECK(w.device().is_cpu(), "weights_fingerprint: every weight must be on the CPU");
-    out.push_back(reinterpret_cast<int64_t>(w.data_ptr()));
-    out.push_back(w.is_inference() ? -1 : static_cast<int64_t>(w._version()));
-    out.push_back(static_cast<int64_t>(w.scalar_type()));
-    out.push_back(w.dim());
-    for (int64_t size : w.sizes()) out.push_back(size);
-    const int64_t n = w.numel(), step = std::max<int64_t>(1, n / 16);
-    const int64_t item = static_cast<int64_t>(w.element_size());
-    TORCH_CHECK(item <= 8, "weights_fingerprint: elements of more than 8 bytes");
-    const char* base = static_cast<const char*>(w.data_ptr());
-    const auto sizes = w.sizes();
-    const auto strides = w.strides();
-    for (int64_t j = 0; j < 16 && j * step < n; ++j) {
-      int64_t flat = j * step, offset = 0;
-      for (int64_t d = w.dim() - 1; d >= 0; --d) {  // the logical index's storage offset
-        offset += (flat % sizes[d]) * strides[d];
-        flat /= sizes[d];
-      }
-      int64_t bits = 0;
-      std::memcpy(&bits, base + offset * item, static_cast<size_t>(item));
-      out.push_back(bits);
-    }
-  }
-  return at::tensor(out, at::TensorOptions().dtype(at::kLong));
 }
