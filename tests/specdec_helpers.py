@@ -90,17 +90,120 @@ def subprocess_env():
     return env
 
 
-def run(cmd, check=True, timeout=900, cwd=None, env=None):
-    """``cmd`` in the tests' environment (``env``: more variables); a failure
-    (with ``check``) shows the ends of its output."""
-    proc = subprocess.run(
-        [str(c) for c in cmd],
-        capture_output=True,
-        text=True,
-        env=dict(subprocess_env(), **(env or {})),
-        timeout=timeout,
-        cwd=cwd,
-    )
+#: set to 0 to run every command as a new process (see :func:`run`)
+FORK_ENV = "SPECDEC_TESTS_FORK"
+#: variables that torch or its OpenMP runtime read when loaded: a command
+#: whose values differ from the zygote's runs as a new process
+_LOAD_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUDA", "NVIDIA", "LD_", "PYTHON",
+                       "MALLOC", "OPENBLAS", "DNNL", "ONEDNN")
+
+
+class _Zygote:
+    """tests/zygote.py, started at the first command that can use it, one per
+    test process (pytest-xdist workers each have their own)."""
+
+    def __init__(self):
+        self.proc = None
+        self.env = None
+        self.failed = False
+
+    def _load_time(self, env):
+        return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME_PREFIXES)}
+
+    def script(self, cmd):
+        """What a fork would run for ``cmd``, as the request's ``path`` or
+        ``code`` and ``argv`` (a fairseq console script of this venv,
+        ``python scripts/*.py`` or ``python -c CODE``), else None."""
+        first = Path(str(cmd[0]))
+        bin_dir = Path(sys.executable).parent
+        if first.parent == bin_dir and first.name.startswith("fairseq-") and first.is_file():
+            return {"path": str(first), "argv": [str(c) for c in cmd]}
+        if first.parent == bin_dir and first.name.startswith("python") and len(cmd) > 1:
+            script = Path(str(cmd[1]))
+            if script.suffix == ".py" and script.resolve().parent == ROOT / "scripts":
+                return {"path": str(script), "argv": [str(c) for c in cmd[1:]]}
+            if str(cmd[1]) == "-c" and len(cmd) > 2:
+                return {"code": str(cmd[2]), "argv": ["-c", *map(str, cmd[3:])]}
+        return None
+
+    def ready(self):
+        """Started (at the first call, with the tests' environment of that
+        moment); False where forks are turned off or it could not start."""
+        if self.failed or os.environ.get(FORK_ENV, "1") == "0" or not hasattr(os, "fork"):
+            return False
+        if self.proc is None or self.proc.poll() is not None:
+            self.env = subprocess_env()
+            self.proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "zygote.py")], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, env=self.env, cwd=str(ROOT))
+            if not self.proc.stdout.readline().startswith('{"ready"'):
+                self.failed = True
+        return not self.failed
+
+    def accepts(self, env):
+        """Whether a command with ``env`` can run in a fork: torch's load-time
+        variables as the zygote's."""
+        return self._load_time(env) == self._load_time(self.env)
+
+    def run(self, target, env, cwd, timeout, input=None):
+        import selectors
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="zygote-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            stdin = None
+            if input is not None:
+                stdin = os.path.join(tmp, "stdin")
+                with open(stdin, "w", encoding="utf-8") as f:
+                    f.write(input)
+            request = dict(target, env=env, cwd=str(cwd) if cwd else os.getcwd(), stdin=stdin, stdout=out,
+                           stderr=err)
+            argv = target["argv"]
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = json.loads(self.proc.stdout.readline())["pid"]
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.proc.stdout, selectors.EVENT_READ)
+                ready = sel.select(timeout)
+            if not ready:
+                os.killpg(pid, 9)
+                self.proc.stdout.readline()
+                raise subprocess.TimeoutExpired(argv, timeout)
+            rc = json.loads(self.proc.stdout.readline())["rc"]
+            with open(out, encoding="utf-8", errors="replace") as f_out, \
+                    open(err, encoding="utf-8", errors="replace") as f_err:
+                return subprocess.CompletedProcess(argv, rc, f_out.read(), f_err.read())
+
+
+_ZYGOTE = _Zygote()
+
+
+def run(cmd, check=True, timeout=900, cwd=None, env=None, input=None):
+    """``cmd`` in the tests' environment (``env``: more variables, a None
+    value removing one), with ``input`` (text) on its stdin, else an empty
+    one; a failure (with ``check``) shows the ends of its output.
+
+    A fairseq console script of this venv, a script of ``scripts/`` or
+    ``python -c`` run by this venv's python runs in a fork of
+    tests/zygote.py, a process that has imported torch and fairseq once (its
+    docstring says what that keeps unchanged), so that it skips those 5 s of
+    imports; every other command, and every command where
+    ``SPECDEC_TESTS_FORK=0``, is a new process."""
+    full_env = dict(subprocess_env(), **{k: str(v) for k, v in (env or {}).items() if v is not None})
+    for name in [k for k, v in (env or {}).items() if v is None]:
+        full_env.pop(name, None)
+    target = _ZYGOTE.script(cmd)
+    if target is not None and _ZYGOTE.ready() and _ZYGOTE.accepts(full_env):
+        proc = _ZYGOTE.run(target, full_env, cwd, timeout, input=input)
+    else:
+        proc = subprocess.run(
+            [str(c) for c in cmd],
+            input=input if input is not None else "",
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+            cwd=cwd,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"

@@ -6,7 +6,6 @@ fairseq-generate calls); a few run the real fairseq-generate.
 import os
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -520,8 +519,7 @@ def test_cli_refusal_is_one_argparse_style_line(toy_bin, transformer_checkpoint,
     cmd = [H.cli(tool), toy_bin, "--path", transformer_checkpoint, "--task", "draft_verify", "--beam", "1", "--cpu",
            "--user-dir", H.USER_DIR, "--decoding", "ngram", "--verify-beta", "3", "--source-lang", "src",
            "--target-lang", "tgt"]
-    proc = subprocess.run([str(c) for c in cmd], input="a1 a2\n", capture_output=True, text=True,
-                          env=H.subprocess_env(), timeout=600)
+    proc = H.run(cmd, check=False, input="a1 a2\n", timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{tool}: error: ")]

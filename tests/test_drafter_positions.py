@@ -166,10 +166,7 @@ def test_interactive_with_a_drafter_shorter_than_the_sources(toy_bin, long_bin, 
     stdin = "\n".join(src) + "\n"
 
     def interactive(*extra):
-        import subprocess
-
-        proc = subprocess.run([str(c) for c in [*common, *extra]], input=stdin, capture_output=True,
-                              text=True, env=H.subprocess_env(), timeout=600)
+        proc = H.run([*common, *extra], check=False, input=stdin, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 

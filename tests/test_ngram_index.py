@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import tracemalloc
 
 import numpy as np
@@ -304,8 +303,7 @@ def test_interactive_drafts_from_the_saved_index(toy_bin, ar_checkpoint, tmp_pat
               "--buffer-size", "3", "--batch-size", "3"]
 
     def interactive(*extra):
-        proc = subprocess.run([str(c) for c in [*common, *extra]], input="\n".join(lines) + "\n",
-                              capture_output=True, text=True, env=H.subprocess_env(), timeout=600)
+        proc = H.run([*common, *extra], check=False, input="\n".join(lines) + "\n", timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 

@@ -14,7 +14,6 @@ checkpoint loader (stock fairseq cannot read a checkpoint under torch 2.13).
 """
 import os
 import shutil
-import subprocess
 import sys
 
 import re
@@ -41,8 +40,7 @@ def interactive(data, *args, stdin, plugin=True):
     ``plugin`` False, fairseq's own translation task and decoder."""
     cmd = [H.cli("fairseq-interactive"), data, "--source-lang", SRC, "--target-lang", TGT, "--beam", "1",
            "--cpu", "--user-dir", H.USER_DIR, "--task", "draft_verify" if plugin else "translation", *args]
-    proc = subprocess.run([str(c) for c in cmd], input=stdin, capture_output=True, text=True,
-                          env=H.subprocess_env(), timeout=600)
+    proc = H.run(cmd, check=False, input=stdin, timeout=600)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -128,11 +126,11 @@ def test_interactive_self_draft(toy_bin, ar_checkpoint, stock_interactive):
 
 @pytest.mark.slow
 def test_interactive_ngram_without_the_corpus_split_is_refused(toy_bin, ar_checkpoint):
-    proc = subprocess.run(
+    proc = H.run(
         [H.cli("fairseq-interactive"), toy_bin, "--source-lang", SRC, "--target-lang", TGT, "--beam", "1", "--cpu",
          "--user-dir", H.USER_DIR, "--task", "draft_verify", "--path", ar_checkpoint, "--decoding", "ngram",
          "--ngram-split", "no_such_split"],
-        input="a1 a2\n", capture_output=True, text=True, env=H.subprocess_env(), timeout=600)
+        check=False, input="a1 a2\n", timeout=600)
     assert proc.returncode != 0
     assert "--ngram-split no_such_split" in proc.stderr
     assert not h_lines(proc.stdout)
@@ -244,10 +242,10 @@ def test_zoo_folder_through_fairseq_interactive(toy_bin, zoo_folder, vsd_checkpo
 def test_an_ensemble_is_refused(toy_bin, zoo_folder, ar_checkpoint):
     """A model-zoo ensemble (model1.pt:model2.pt) is refused with a message
     that says so; one of its models decodes (the tests above)."""
-    proc = subprocess.run(
+    proc = H.run(
         [H.cli("fairseq-interactive"), zoo_folder, "--source-lang", SRC, "--target-lang", TGT, "--beam", "1",
          "--cpu", "--user-dir", H.USER_DIR, "--task", "draft_verify", "--decoding", "loop-greedy",
          "--path", f"{zoo_folder / 'model.pt'}:{ar_checkpoint}"],
-        input="a1 a2\n", capture_output=True, text=True, env=H.subprocess_env(), timeout=600)
+        check=False, input="a1 a2\n", timeout=600)
     assert proc.returncode != 0
     assert "ensembles are not supported" in proc.stderr, proc.stderr[-2000:]

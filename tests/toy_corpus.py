@@ -12,7 +12,6 @@ source does not have there).  Most of the output is a copy of the source.
 """
 import os
 import random
-import subprocess
 
 
 def translate(words):
@@ -67,7 +66,7 @@ def write_corpus(root, splits, make=make_lines):
 
 
 def binarize(raw, dest, train="train", valid="valid", tests=("test",)):
-    from specdec_helpers import cli
+    from specdec_helpers import cli, run
 
     cmd = [
         cli("fairseq-preprocess"),
@@ -77,5 +76,5 @@ def binarize(raw, dest, train="train", valid="valid", tests=("test",)):
         "--testpref", ",".join(os.path.join(raw, t) for t in tests),
         "--destdir", dest, "--joined-dictionary", "--workers", "1",
     ]
-    subprocess.run(cmd, check=True, capture_output=True)
+    run(cmd)
     return dest
