@@ -20,7 +20,9 @@ $(STAMP): setup.py $(wildcard fairseq_specdec/kernels/csrc/*.cpp fairseq_specdec
 
 # the suite runs on two processes (pytest-xdist, one test file per process at
 # a time, the longest files first: tests/conftest.py; the toy models are
-# trained once for both)
+# trained once for both); the fairseq commands of the tests run in forks of a
+# process that has imported torch and fairseq once (tests/zygote.py;
+# SPECDEC_TESTS_FORK=0 makes each a new process: docs/architecture.md)
 TEST_JOBS ?= 2
 
 test: install
