@@ -144,7 +144,16 @@ class _Zygote:
         variables as the zygote's."""
         return self._load_time(env) == self._load_time(self.env)
 
+    def _reply(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            self.failed = True
+            raise RuntimeError(f"tests/zygote.py stopped (exit status {self.proc.wait()}); "
+                               f"{FORK_ENV}=0 runs every command as a new process")
+        return json.loads(line)
+
     def run(self, target, env, cwd, timeout, input=None):
+        """``target`` (from :meth:`script`) in a fork, as a CompletedProcess."""
         import selectors
         import tempfile
 
@@ -160,15 +169,15 @@ class _Zygote:
             argv = target["argv"]
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = json.loads(self.proc.stdout.readline())["pid"]
+            pid = self._reply()["pid"]
             with selectors.DefaultSelector() as sel:
                 sel.register(self.proc.stdout, selectors.EVENT_READ)
                 ready = sel.select(timeout)
             if not ready:
                 os.killpg(pid, 9)
-                self.proc.stdout.readline()
+                self._reply()
                 raise subprocess.TimeoutExpired(argv, timeout)
-            rc = json.loads(self.proc.stdout.readline())["rc"]
+            rc = self._reply()["rc"]
             with open(out, encoding="utf-8", errors="replace") as f_out, \
                     open(err, encoding="utf-8", errors="replace") as f_err:
                 return subprocess.CompletedProcess(argv, rc, f_out.read(), f_err.read())

@@ -104,3 +104,15 @@ def test_other_commands_are_new_processes(tmp_path):
     assert H._ZYGOTE.script([PYTHON, "-m", "pip", "--version"]) is None
     assert H._ZYGOTE.script([PYTHON, tmp_path / "elsewhere.py"]) is None
     assert H._ZYGOTE.script([sys.executable, H.ROOT / "scripts" / "roofline.py"]) is not None
+
+
+def test_a_zygote_that_stops_mid_command_is_named_and_later_commands_are_new_processes():
+    try:
+        with pytest.raises(RuntimeError, match="tests/zygote.py stopped .*SPECDEC_TESTS_FORK=0"):
+            H.run([PYTHON, "-c", "import os; os.kill(os.getppid(), 9)"])
+        proc = H.run([PYTHON, "-c", "import os; print(os.getppid())"])
+        assert int(proc.stdout) == os.getpid()
+    finally:
+        H._ZYGOTE.failed = False  # forks again for the other tests of this process
+    proc = H.run([PYTHON, "-c", "import os; print(os.getppid())"])
+    assert int(proc.stdout) == H._ZYGOTE.proc.pid
