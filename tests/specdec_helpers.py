@@ -174,7 +174,7 @@ class _Zygote:
                 sel.register(self.proc.stdout, selectors.EVENT_READ)
                 ready = sel.select(timeout)
             if not ready:
-                os.killpg(pid, 9)
+                os.kill(pid, 9)  # as subprocess.run kills its child (not the child's own children)
                 self._reply()
                 raise subprocess.TimeoutExpired(argv, timeout)
             rc = self._reply()["rc"]

@@ -4,15 +4,15 @@ of the tests' fairseq commands in a fork of itself (tests/specdec_helpers.run).
 Every fairseq command of the suite is a new process, and a new process spends
 about 5 s importing torch, fairseq and what fairseq imports (scikit-learn,
 scipy) before it reads its first option.  A fork of this process starts with
-those modules imported, and then runs the command's own file exactly as the
-interpreter would: the console script of ``fairseq-generate`` (or
-``fairseq-train``, ...) from the venv's ``bin/``, a script of the
-repository's ``scripts/``, or the code of ``python -c``, as ``__main__``, with its argv, environment,
-working directory and its own stdin (a file, or empty), stdout and stderr.  Only
-torch and the ``fairseq`` package are imported before the fork: not
-``fairseq_cli`` (its modules configure logging when imported), not the plugin
-(it reads ``FAIRSEQ_SPECDEC_*`` at import), so each command imports those
-itself, as a fresh process does.
+those modules imported, and then runs the command's own file as the
+interpreter would, as ``__main__``: the console script of
+``fairseq-generate`` (or ``fairseq-train``, ...) from the venv's ``bin/``, a
+script of the repository's ``scripts/``, or the code of ``python -c``; with
+the command's argv, environment, working directory, stdin (a file, or
+empty), stdout and stderr.  Only torch and the ``fairseq`` package are
+imported before the fork: not ``fairseq_cli`` (its modules configure logging
+when imported), not the plugin (it reads ``FAIRSEQ_SPECDEC_*`` at import), so
+each command imports those itself, as a new process does.
 
 What a fork cannot change after the import is what torch and its OpenMP
 runtime read when loaded (``OMP_*``, ``MKL_*``, ``TORCH_*``, ...):
@@ -21,11 +21,12 @@ ones this process started with, and runs any other command as a new process.
 
 Protocol (one request at a time, JSON lines): the parent writes
 ``{"path" or "code", "argv", "env", "cwd", "stdin", "stdout", "stderr"}``
-(the script or ``-c`` code, its argv, environment and folder, then the names of its input file,
-or null, and its output files); this process forks, answers ``{"pid": ...}`` at once
-(so that the parent can kill the command's process group on a timeout),
-then ``{"rc": ...}`` (the exit status as subprocess reports it) when the
-command ends.  It exits when its stdin closes.
+(the script or the ``-c`` code, its argv, environment and folder, the name
+of its input file or null, the names of its output files); this process
+forks, answers ``{"pid": ...}`` at once (so that the parent can kill the
+command on a timeout, as subprocess.run kills its child), then
+``{"rc": ...}`` (the exit status as subprocess reports it) when the command
+ends.  It exits when its stdin closes.
 """
 import json
 import os
@@ -36,7 +37,6 @@ def run_child(request, channels) -> None:
     """In the fork: become the command (never returns)."""
     code = 1
     try:
-        os.setpgid(0, 0)
         for fd in channels:
             os.close(fd)
         stdin = os.open(request.get("stdin") or os.devnull, os.O_RDONLY)
