@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 import fairseq_specdec  # noqa: E402,F401  (registers the plugin's task, models and criteria)
 from fairseq import options  # noqa: E402
 from fairseq_specdec.bench import kit_summary  # noqa: E402
+import specdec_helpers as H  # noqa: E402
 
 KIT = os.path.join(ROOT, "scripts", "gpu-kit.sh")
 RUN = os.path.join(ROOT, "scripts", "gpu-run.sh")
@@ -327,8 +328,8 @@ def test_packed_checkpoint_loads_without_optimizer_state(tmp_path, ar_checkpoint
     import torch
 
     dst = tmp_path / "sub" / "packed.pt"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), ar_checkpoint, str(dst)]
-                          + (["--half-weights"] if half else []), capture_output=True, text=True, timeout=300)
+    proc = H.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), ar_checkpoint, dst]
+                 + (["--half-weights"] if half else []), check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr
     src, packed = load_state(ar_checkpoint), load_state(dst)
     assert "last_optimizer_state" in src and "last_optimizer_state" not in packed
@@ -349,14 +350,13 @@ def test_packed_checkpoint_loads_without_optimizer_state(tmp_path, ar_checkpoint
 
 
 def test_pack_refuses_a_missing_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), str(tmp_path / "no.pt"),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=60)
+    proc = H.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), tmp_path / "no.pt",
+                  tmp_path / "out.pt"], check=False, timeout=60)
     assert proc.returncode == 2 and "no such checkpoint" in proc.stderr and not (tmp_path / "out.pt").exists()
 
 
 def _pack(*argv):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), *map(str, argv)],
-                          capture_output=True, text=True, timeout=300)
+    return H.run([sys.executable, os.path.join(ROOT, "scripts", "pack-checkpoint.py"), *argv], check=False, timeout=300)
 
 
 def test_pack_refuses_a_directory_as_destination(tmp_path, toy_bin):
