@@ -98,17 +98,19 @@ _LOAD_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH", "CUD
                        "MALLOC", "OPENBLAS", "DNNL", "ONEDNN")
 
 
+def _load_time(env):
+    """The variables of ``env`` read when torch loads (:data:`_LOAD_TIME_PREFIXES`)."""
+    return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME_PREFIXES)}
+
+
 class _Zygote:
     """tests/zygote.py, started at the first command that can use it, one per
     test process (pytest-xdist workers each have their own)."""
 
     def __init__(self):
         self.proc = None
-        self.env = None
+        self.load_time = None  # the zygote's load-time variables
         self.failed = False
-
-    def _load_time(self, env):
-        return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME_PREFIXES)}
 
     def script(self, cmd):
         """What a fork would run for ``cmd``, as the request's ``path`` or
@@ -132,9 +134,10 @@ class _Zygote:
         if self.failed or os.environ.get(FORK_ENV, "1") == "0" or not hasattr(os, "fork"):
             return False
         if self.proc is None or self.proc.poll() is not None:
-            self.env = subprocess_env()
+            env = subprocess_env()
+            self.load_time = _load_time(env)
             self.proc = subprocess.Popen([sys.executable, str(TESTS_DIR / "zygote.py")], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, env=self.env, cwd=str(ROOT))
+                                         stdout=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
             if not self.proc.stdout.readline().startswith('{"ready"'):
                 self.failed = True
         return not self.failed
@@ -142,7 +145,7 @@ class _Zygote:
     def accepts(self, env):
         """Whether a command with ``env`` can run in a fork: torch's load-time
         variables as the zygote's."""
-        return self._load_time(env) == self._load_time(self.env)
+        return _load_time(env) == self.load_time
 
     def _reply(self):
         line = self.proc.stdout.readline()
