@@ -7,6 +7,7 @@ the copy's cache after rejections (a copy that drafts wrong tokens on
 purpose still decodes exactly), the int8 products against float32, and the
 refusals.  The seven stock architectures are in tests/test_verifier_variants.py.
 """
+import math
 import re
 
 import pytest
@@ -40,26 +41,77 @@ def test_int8_linear_is_close_to_float32():
     assert (Int8Linear(weight, None)(x) - (want - bias)).abs().max().item() < 0.05 * want.abs().max().item()
 
 
+def int8_reference(x, weight, bias, relu):
+    """What the kernel's int8 panels compute (``kernels/csrc/rowgemm.cpp``),
+    written out in torch: the weight rows rounded to int8 at scale
+    s = max |row| / 127; each row of x rounded (half to even) to integers
+    within Q = min(32767, (2^31 - 1) // (127 K)) at scale a / Q (a = max |x
+    row|; a row of zeros stays zeros); their integer products summed
+    exactly; then float32 (d * s) * (a / Q) + b, the last multiply and the
+    bias rounded once (a float64 sum of the exact float32 product here)."""
+    n, k = weight.shape
+    s = (weight.abs().amax(1) / 127).clamp(min=1e-12)
+    q = (weight / s[:, None]).round().clamp(-127, 127).long()
+    big_q = min(32767, (2**31 - 1) // (127 * k))
+    fq = torch.tensor(float(big_q))
+    rows = []
+    for row in x:
+        a = row.abs().max()
+        if a > 0:
+            xq, sx = (row * (fq / a)).round().clamp(-big_q, big_q).long(), a / fq
+        else:
+            xq, sx = torch.zeros(k, dtype=torch.long), torch.tensor(0.0)
+        ds = (q * xq).sum(1).float() * s  # exact integer sums (int64 here), then float32
+        y = ds * sx if bias is None else (ds.double() * sx.double() + bias.double()).float()
+        rows.append(y.clamp(min=0) if relu else y)
+    return torch.stack(rows)
+
+
 @pytest.mark.skipif(not rowgemm.int8_available(), reason="the C++ extension's int8 panels do not run here")
-@pytest.mark.parametrize("shape", [(96, 64, 1), (37, 33, 5), (300, 256, 8), (20, 50, 13)], ids=str)
-def test_int8_panels_compute_the_quantized_weight(shape):
-    """The kernel's int8 panels compute x (q * s)^T + b, q the weight rows
-    rounded to int8 at scale s = max |row| / 127, for any rows m (blocks of
-    1-8 rows and the row groups past 8), ragged N and K, with and without
-    the bias and the ReLU: within float32 rounding of a float64 reference.
-    A kernel that forgot the scale, read another panel stride or the wrong
-    scales would be off by far more."""
+@pytest.mark.parametrize("shape", [(96, 64, 1), (37, 33, 5), (300, 256, 8), (20, 50, 13), (24, 1, 3), (41, 1025, 17)],
+                         ids=str)
+def test_int8_panels_compute_the_quantized_weight_and_rows(shape):
+    """The kernel's int8 panels: int8 weights (q * s per row) against each
+    row of x quantized to 16-bit integers at its own scale, summed exactly
+    in integers (:func:`int8_reference`), for blocks of 1-8 rows and the
+    row groups past 8, ragged N, odd and even K, a row of zeros, with and
+    without the bias and the ReLU; and each row's result is the same
+    whatever else the call holds.  A kernel that dropped a k-row of a
+    pair, read another panel's scales or another row's scale would be far
+    off; one that summed in float32 would differ in the last bits."""
     n, k, m = shape
     g = torch.Generator().manual_seed(n + k + m)
-    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g)
-    s = (w.abs().amax(1) / 127).clamp(min=1e-12)
-    q = (w / s[:, None]).round().clamp(-127, 127)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, k, generator=g) * 3
+    x[m // 2] = 0.0
     for bias in (b, None):
-        want = torch.nn.functional.linear(x.double(), (q * s[:, None]).double(), None if bias is None else bias.double())
         for act in (None, "relu"):
-            got = rowgemm.PackedLinear(w, bias, act, "int8")(x)
-            ref = want if act is None else want.clamp(min=0)
-            assert (got.double() - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+            lin = rowgemm.PackedLinear(w, bias, act, "int8")
+            got = lin(x)
+            want = int8_reference(x, w, bias, act == "relu")
+            if bias is None:
+                assert torch.equal(got, want)
+            else:  # at most the float64 sum's second rounding apart: one unit in the last place
+                ulp = (torch.nextafter(want.abs(), torch.tensor(math.inf)) - want.abs())
+                assert bool(((got - want).abs() <= ulp).all())
+            for i in range(m):
+                assert torch.equal(lin(x[i : i + 1]), got[i : i + 1]), i
+                assert torch.equal(lin(x[: i + 1]), got[: i + 1]), i
+
+
+@pytest.mark.skipif(not rowgemm.int8_available(), reason="the C++ extension's int8 panels do not run here")
+def test_int8_sums_do_not_overflow_at_the_largest_values():
+    """Every weight and input at its largest magnitude, K odd and large: the
+    integer sum 127 * K * Q stays below 2^31 (Q shrinks with K), so the
+    result is the exact product, of either sign."""
+    k = 4099
+    big_q = min(32767, (2**31 - 1) // (127 * k))
+    w = torch.ones(16, k)
+    w[8:] = -1.0
+    x = torch.full((2, k), 2.5)
+    got = rowgemm.PackedLinear(w, None, None, "int8")(x)
+    assert 127 * k * big_q < 2**31
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-6, atol=0.0)
+    assert torch.equal(got, int8_reference(x, w, None, False))
 
 
 @pytest.mark.parametrize("backend", sorted(H.BACKEND_ARGS))

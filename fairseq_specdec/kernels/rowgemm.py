@@ -30,9 +30,13 @@ the verifier's products always read float32 panels.
 
 **int8 panels** (``precision="int8"``, the int8 copy of ``--decoding
 self-draft`` only): each weight row quantized symmetrically to int8 with its
-own scale (its largest magnitude / 127), a quarter of the bytes; the kernel
-widens each element exactly to float32, sums in order as above, and
-multiplies each column by its scale before the bias (``csrc/rowgemm.cpp``).
+own scale (its largest magnitude / 127), a quarter of the bytes.  Each row
+of ``x`` is quantized too, symmetrically to 16-bit integers at its own
+scale (small enough that no sum of K products overflows 32 bits), the
+products are summed exactly in integers (AVX2 ``vpmaddwd``: pairs of k per
+instruction), and each sum is scaled back to float32 and biased
+(``csrc/rowgemm.cpp`` gives the formula).  A row's result depends on that
+row alone, and the same blocks run on every instruction set.
 
 The extension is built at install (``setup.py``) and is optional:
 :func:`unavailable_reason` says why it cannot be used, and callers fall back

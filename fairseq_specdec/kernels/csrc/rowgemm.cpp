@@ -30,11 +30,23 @@
 //
 // Or in int8 (pack_i8, the int8 copy of --decoding self-draft): each weight
 // row n quantized symmetrically, q = round(W[n][k] / s[n]) with s[n] =
-// max_k |W[n][k]| / 127; a panel is [K][8] int8 followed by its 8 scales as
-// float32 (4 more k-rows of bytes: [P][K + 4][8] int8).  A block widens each
-// int8 exactly to float32, sums x[i][k] * q[n][k] in order as above, then
-// multiplies by s[n] before the bias: W is replaced by q * s, a quarter of
-// the bytes to stream.  Drafting only, like bfloat16.
+// max_k |W[n][k]| / 127, a quarter of the bytes to stream.  A panel holds
+// its K k-rows of 8 int8 with each pair of k-rows interleaved column by
+// column (q[n][2j], q[n][2j+1] side by side; an odd last k-row as it is),
+// then its 8 scales as float32 (4 more k-rows of bytes: [P][K + 4][8] int8).
+// Each row of x is quantized too, symmetrically to 16-bit integers:
+//     xq[i][k] = round_half_even(x[i][k] * (Q / a_i)),  sx_i = a_i / Q,
+// a_i = max_k |x[i][k]| (xq = 0, sx = 0 for a row of zeros), Q = the
+// largest integer up to 32767 with 127 * K * Q < 2^31, so that the sum
+//     d[i][n] = sum over k of xq[i][k] * q[n][k]
+// is exact in 32-bit integers (pairs of k multiplied and added by one
+// vpmaddwd: twice the products of a float32 fused multiply-add per
+// instruction, no widening to float).  Then, in float32,
+//     y[i][n] = fma(float(d[i][n]) * s[n], sx_i, b[n])
+// (one rounding for the last multiply and the bias; ReLU after).  An
+// integer sum has no order, so a row's result depends on nothing but the
+// row.  Drafting only, like bfloat16; every instruction set runs these AVX2
+// blocks.
 //
 // On a CPU with AVX-512F the blocks can be AVX-512 ones instead
 // (rowgemm_avx512.cpp: 16-lane vectors over pairs of panels, blocks of up to
@@ -128,11 +140,6 @@ const char* isa_name(Isa isa) {
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const float* w) {
   return _mm256_loadu_ps(w);
 }
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const int8_t* w) {
-  // 8 int8 widened exactly to float32
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load_lanes(const uint16_t* w) {
   // a bfloat16 is the high half of the float32 with the same bits: exact
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -168,12 +175,6 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_impl(
   }
   alignas(32) float out[R * NV * kLanes];
   const __m256 zero = _mm256_setzero_ps();
-  if constexpr (std::is_same_v<WT, int8_t>) {
-    // int8 panels: each column's sum times its row scale (after the panel's K k-rows)
-#pragma GCC unroll 16
-    for (int a = 0; a < R * NV; ++a)
-      acc[a] = _mm256_mul_ps(acc[a], _mm256_loadu_ps(reinterpret_cast<const float*>(w + (a % NV) * panel_stride + K * kLanes)));
-  }
 #pragma GCC unroll 16
   for (int a = 0; a < R * NV; ++a) {
     __m256 r = acc[a];
@@ -213,6 +214,91 @@ void rows_block(int rows, const float* xt, int64_t K, const WT* w, int64_t panel
       }
       TORCH_CHECK(false, "rowgemm: no register block of ", rows, " rows x ", NV, " panels");
   }
+}
+
+// int8 panels (see the top of the file): R rows (xp: the rows' 16-bit
+// values in pairs of k, [ceil(K/2)][R] int32, an odd K's last pair
+// (x[K-1], 0); sx: the rows' scales) against NV panels, summed exactly in
+// 32-bit integers, then scaled, biased and ReLU'd in float32.  ``next``:
+// the next block, prefetched at the rate this one reads (as block_impl).
+template <int R, int NV>
+__attribute__((target("avx2,fma"))) void block_i8(const int32_t* xp, const float* sx, int64_t K, const int8_t* w,
+                                                  int64_t panel_stride, const float* bias, int activation, float* y,
+                                                  int64_t ldy, int64_t ncols, const int8_t* next) {
+  const int64_t pairs = K / 2;
+  __m256i acc[R * NV];
+#pragma GCC unroll 16
+  for (int a = 0; a < R * NV; ++a) acc[a] = _mm256_setzero_si256();
+  for (int64_t j = 0; j < pairs; ++j) {
+    if (next != nullptr && (j % 4) == 0) {  // 4 pairs of k-rows of a panel: one 64-byte line
+      const char* line = reinterpret_cast<const char*>(next) + (j / 4) * NV * 64;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) _mm_prefetch(line + v * 64, _MM_HINT_T1);
+    }
+    __m256i wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)  // 8 columns x 2 k, widened to 16 bits
+      wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * panel_stride + j * 16)));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256i xb = _mm256_set1_epi32(xp[j * R + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i * NV + v] = _mm256_add_epi32(acc[i * NV + v], _mm256_madd_epi16(xb, wv[v]));
+    }
+  }
+  if (K % 2 == 1) {  // the last k-row alone, paired with zeros
+    const __m128i zero = _mm_setzero_si128();
+    __m256i wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      wv[v] = _mm256_cvtepi8_epi16(
+          _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + v * panel_stride + (K - 1) * kLanes)), zero));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256i xb = _mm256_set1_epi32(xp[pairs * R + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i * NV + v] = _mm256_add_epi32(acc[i * NV + v], _mm256_madd_epi16(xb, wv[v]));
+    }
+  }
+  alignas(32) float out[R * NV * kLanes];
+  const __m256 zero = _mm256_setzero_ps();
+#pragma GCC unroll 16
+  for (int a = 0; a < R * NV; ++a) {
+    const __m256 scales = _mm256_loadu_ps(reinterpret_cast<const float*>(w + (a % NV) * panel_stride + K * kLanes));
+    // the bias in one fused multiply-add: explicit, so no compiler contracts (or not) a multiply and an add
+    const __m256 ds = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[a]), scales), row = _mm256_set1_ps(sx[a / NV]);
+    __m256 r = bias != nullptr ? _mm256_fmadd_ps(ds, row, _mm256_loadu_ps(bias + (a % NV) * kLanes))
+                               : _mm256_mul_ps(ds, row);
+    if (activation == 1) r = _mm256_max_ps(r, zero);
+    _mm256_store_ps(out + a * kLanes, r);
+  }
+  const int64_t n = ncols < NV * kLanes ? ncols : NV * kLanes;
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) std::memcpy(y + i * ldy, out + i * NV * kLanes, n * sizeof(float));
+}
+
+template <int NV>
+void rows_block_i8(int rows, const int32_t* xp, const float* sx, int64_t K, const int8_t* w, int64_t panel_stride,
+                   const float* bias, int activation, float* y, int64_t ldy, int64_t ncols, const int8_t* next) {
+#define ROWGEMM_I8(r) block_i8<r, NV>(xp, sx, K, w, panel_stride, bias, activation, y, ldy, ncols, next)
+  switch (rows) {
+    case 1: ROWGEMM_I8(1); return;
+    case 2: ROWGEMM_I8(2); return;
+    case 3: ROWGEMM_I8(3); return;
+    default:
+      // the layouts of layout_i8: 12 accumulators, the widened weights, the broadcast and a product in 16 registers
+      if constexpr (NV <= 2) {
+        if (rows == 4) { ROWGEMM_I8(4); return; }
+        if (rows == 5) { ROWGEMM_I8(5); return; }
+        if (rows == 6) { ROWGEMM_I8(6); return; }
+      }
+      if constexpr (NV == 1) {
+        if (rows == 7) { ROWGEMM_I8(7); return; }
+        if (rows == 8) { ROWGEMM_I8(8); return; }
+      }
+      TORCH_CHECK(false, "rowgemm: no int8 register block of ", rows, " rows x ", NV, " panels");
+  }
+#undef ROWGEMM_I8
 }
 #endif
 
@@ -287,6 +373,11 @@ torch::Tensor pack_i8(const torch::Tensor& weight) {
   auto scales = std::get<0>(weight.abs().max(1)).div(127.0f).clamp_min(1e-12f);
   auto q = weight.div(scales.unsqueeze(1)).round().clamp(-127.0f, 127.0f);
   auto panels = pack(q).to(torch::kChar);  // [P][K][8], exact: integers within int8
+  const int64_t K = weight.size(1), even = K / 2 * 2;
+  if (even > 0) {  // each pair of k-rows interleaved column by column: [P][K/2][8][2]
+    auto pairs = panels.narrow(1, 0, even).reshape({P, even / 2, 2, kLanes}).transpose(2, 3).reshape({P, even, kLanes});
+    panels = torch::cat({pairs, panels.narrow(1, even, K - even)}, 1);
+  }
   auto padded = torch::ones({P * kLanes}, weight.options());
   padded.narrow(0, 0, N).copy_(scales);
   auto scale_rows = padded.view({P, kLanes}).view(torch::kChar).view({P, kScaleRows, kLanes});
@@ -337,7 +428,7 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
     }
   }
   const float* xd = xt.data();
-  const int64_t panel_stride = (K + (std::is_same_v<WT, int8_t> ? kScaleRows : 0)) * kLanes;
+  const int64_t panel_stride = K * kLanes;
   const int64_t nblocks = (P + block_panels - 1) / block_panels;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -379,13 +470,90 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
 #endif
 }
 
+// The register block of an int8 call of m rows: up to 3 rows x 3 panels,
+// 4-6 rows x 2, 7-8 rows x 1 (a call of up to 8 rows reads each weight
+// once), larger calls in groups of 6 rows x 2 panels, the further groups
+// from cache.  One layout on every instruction set.
+inline Layout layout_i8(int64_t m) {
+  if (m <= 3) return {3, 3};
+  if (m <= 6) return {6, 2};
+  if (m <= 8) return {8, 1};
+  return {6, 2};
+}
+
+// linear_raw for int8 panels (w: [P][K + 4][8], see the top of the file):
+// each row of x quantized to 16 bits, its pairs of k interleaved per row
+// group, then the integer blocks
+void linear_raw_i8(const float* xs, int64_t m, int64_t K, const int8_t* w, int64_t P, const float* b, int act,
+                   float* yd, int64_t N, int64_t ldy) {
+#ifdef ROWGEMM_X86
+  if (m == 0 || N == 0) return;
+  const Layout lay = layout_i8(m);
+  const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
+  const int64_t groups = (m + group_rows - 1) / group_rows;
+  const int64_t kpairs = (K + 1) / 2;
+  // Q: the largest integer up to 32767 with 127 * K * Q < 2^31 (exact sums)
+  const int64_t qmax = std::min<int64_t>(32767, (int64_t{2147483647}) / (127 * std::max<int64_t>(K, 1)));
+  const float fq = static_cast<float>(qmax);
+  std::vector<int32_t> xp(static_cast<size_t>(groups * kpairs * group_rows));
+  std::vector<float> sx(static_cast<size_t>(groups * group_rows), 0.0f);
+  std::vector<int32_t> q(static_cast<size_t>(kpairs * 2));
+  for (int64_t i = 0; i < m; ++i) {
+    const float* x = xs + i * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const int64_t g = i / group_rows, r = i % group_rows;
+    const int64_t rows = std::min<int64_t>(group_rows, m - g * group_rows);
+    std::fill(q.begin(), q.end(), 0);
+    if (amax > 0.0f) {
+      const float inv = fq / amax;
+      sx[g * group_rows + r] = amax / fq;
+      for (int64_t k = 0; k < K; ++k) {
+        // round half to even (nearbyint in the default rounding mode), within [-Q, Q]
+        const float v = std::nearbyint(x[k] * inv);
+        q[k] = static_cast<int32_t>(v != v ? 0.0f : std::min(fq, std::max(-fq, v)));
+      }
+    }
+    int32_t* dst = xp.data() + g * kpairs * group_rows;
+    for (int64_t j = 0; j < kpairs; ++j)
+      dst[j * rows + r] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(q[2 * j])) |
+                                               (static_cast<uint32_t>(static_cast<uint16_t>(q[2 * j + 1])) << 16));
+  }
+  const int64_t panel_stride = (K + kScaleRows) * kLanes;
+  const int64_t nblocks = (P + block_panels - 1) / block_panels;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t p = blk * block_panels;
+      const int64_t nv = std::min<int64_t>(block_panels, P - p);
+      const int64_t col = p * kLanes;
+      const int8_t* wb = w + p * panel_stride;
+      const float* bb = b != nullptr ? b + col : nullptr;
+      const int8_t* next = blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int rows = static_cast<int>(std::min<int64_t>(group_rows, m - g * group_rows));
+        const int32_t* xg = xp.data() + g * kpairs * group_rows;
+        const float* sg = sx.data() + g * group_rows;
+        float* yg = yd + g * group_rows * ldy + col;
+        const int64_t ncols = N - col;
+        const int8_t* pf = g == 0 ? next : nullptr;
+        if (nv == 3) rows_block_i8<3>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        else if (nv == 2) rows_block_i8<2>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        else rows_block_i8<1>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "rowgemm: built without x86-64 support");
+#endif
+}
+
 // linear_raw through a packed weight tensor of either element type
 void linear_packed(const float* xs, int64_t m, int64_t K, const torch::Tensor& packed, const float* b, int act,
                    float* yd, int64_t N, int64_t ldy) {
   if (packed.scalar_type() == torch::kBFloat16)
     linear_raw(xs, m, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.size(0), b, act, yd, N, ldy);
   else if (packed.scalar_type() == torch::kChar)
-    linear_raw(xs, m, K, packed.data_ptr<int8_t>(), packed.size(0), b, act, yd, N, ldy);
+    linear_raw_i8(xs, m, K, packed.data_ptr<int8_t>(), packed.size(0), b, act, yd, N, ldy);
   else
     linear_raw(xs, m, K, packed.data_ptr<float>(), packed.size(0), b, act, yd, N, ldy);
 }

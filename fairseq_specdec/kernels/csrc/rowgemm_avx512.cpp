@@ -2,7 +2,8 @@
 // them at run time where the CPU has AVX-512F: rowgemm_avx512.h).
 //
 // The weight keeps the packing of rowgemm.cpp, panels of 8 columns
-// ([P][K][8], float32, bfloat16 bits or int8 with its scales).  A 16-lane
+// ([P][K][8], float32 or bfloat16 bits; int8 panels always take rowgemm.cpp's
+// integer blocks).  A 16-lane
 // vector holds one k-step of two neighbouring panels (its low half the first,
 // its high half the second), so the 32 registers of AVX-512 hold blocks of
 // up to 4 rows x 4 vectors (64 columns) or 8 rows x 3 vectors (48 columns):
@@ -11,7 +12,7 @@
 //
 // Arithmetic: each lane computes what rowgemm.cpp's AVX2 blocks compute for
 // its column (the in-order float32 sum over k of x[i][k] * W[n][k] by fused
-// multiply-adds from 0, times the int8 scale, plus the bias, then the ReLU),
+// multiply-adds from 0, plus the bias, then the ReLU),
 // so a product here is bitwise the AVX2 product (tests/test_rowgemm.py).
 //
 // This file is compiled twice: as itself (namespace rowgemm_avx512, AVX-512F
@@ -51,9 +52,6 @@ constexpr int64_t kLanes = 8;  // columns per panel (as in rowgemm.cpp)
 
 // 8 weights of one panel's k-step widened exactly to float32 (as rowgemm.cpp)
 ROWGEMM_INLINE __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-ROWGEMM_INLINE __m256 load8(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
 ROWGEMM_INLINE __m256 load8(const uint16_t* w) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -70,7 +68,6 @@ ROWGEMM_INLINE Vec broadcast(const float* x) {
   return {b, b};
 }
 ROWGEMM_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-ROWGEMM_INLINE Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 ROWGEMM_INLINE Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 ROWGEMM_INLINE Vec relu(Vec a) {
   const __m256 z = _mm256_setzero_ps();
@@ -89,7 +86,6 @@ using Vec = __m512;
 ROWGEMM_INLINE Vec zero() { return _mm512_setzero_ps(); }
 ROWGEMM_INLINE Vec broadcast(const float* x) { return _mm512_set1_ps(*x); }
 ROWGEMM_INLINE Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-ROWGEMM_INLINE Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 ROWGEMM_INLINE Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 ROWGEMM_INLINE Vec relu(Vec a) { return _mm512_max_ps(a, _mm512_setzero_ps()); }
 ROWGEMM_INLINE Vec load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -98,12 +94,6 @@ ROWGEMM_INLINE Vec join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
 }
 ROWGEMM_INLINE Vec pair(const float* lo, const float* hi) { return join(_mm256_loadu_ps(lo), _mm256_loadu_ps(hi)); }
-ROWGEMM_INLINE Vec pair(const int8_t* lo, const int8_t* hi) {
-  // 16 int8 (8 of each panel) widened exactly to float32 at once
-  const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
-                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
 ROWGEMM_INLINE Vec pair(const uint16_t* lo, const uint16_t* hi) {
   // a bfloat16 is the high half of the float32 with the same bits: exact
   const __m256i h = _mm256_inserti128_si256(
@@ -142,18 +132,6 @@ ROWGEMM_TARGET void block(const float* xt, int64_t K, const WT* w, int64_t panel
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i * NV + v] = fmadd(xb, wv[v], acc[i * NV + v]);
     }
-  }
-  if constexpr (std::is_same<WT, int8_t>::value) {
-    // int8 panels: each column's sum times its row scale (after the panel's K k-rows)
-    Vec scale[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const float* lo = reinterpret_cast<const float*>(w + 2 * v * panel_stride + K * kLanes);
-      const float* hi = reinterpret_cast<const float*>(w + (2 * v + 1) * panel_stride + K * kLanes);
-      scale[v] = pair(lo, hi);
-    }
-#pragma GCC unroll 32
-    for (int a = 0; a < R * NV; ++a) acc[a] = mul(acc[a], scale[a % NV]);
   }
   float out[R * NV * 2 * kLanes];
 #pragma GCC unroll 32
@@ -212,10 +190,6 @@ bool sweep(int rows, int pairs, const float* xt, int64_t K, const uint16_t* w, i
            int activation, float* y, int64_t ldy, int64_t ncols, const uint16_t* next) {
   return sweep_impl(rows, pairs, xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next);
 }
-bool sweep(int rows, int pairs, const float* xt, int64_t K, const int8_t* w, int64_t panel_stride, const float* bias,
-           int activation, float* y, int64_t ldy, int64_t ncols, const int8_t* next) {
-  return sweep_impl(rows, pairs, xt, K, w, panel_stride, bias, activation, y, ldy, ncols, next);
-}
 
 }  // namespace ROWGEMM_NS
 
@@ -226,8 +200,6 @@ bool sweep(int, int, const float*, int64_t, const float*, int64_t, const float*,
            const float*) { return false; }
 bool sweep(int, int, const float*, int64_t, const uint16_t*, int64_t, const float*, int, float*, int64_t, int64_t,
            const uint16_t*) { return false; }
-bool sweep(int, int, const float*, int64_t, const int8_t*, int64_t, const float*, int, float*, int64_t, int64_t,
-           const int8_t*) { return false; }
 }  // namespace ROWGEMM_NS
 
 #endif

@@ -21,8 +21,6 @@
              const float* bias, int activation, float* y, int64_t ldy, int64_t ncols, const float* next);          \
   bool sweep(int rows, int pairs, const float* xt, int64_t K, const uint16_t* w, int64_t panel_stride,              \
              const float* bias, int activation, float* y, int64_t ldy, int64_t ncols, const uint16_t* next);       \
-  bool sweep(int rows, int pairs, const float* xt, int64_t K, const int8_t* w, int64_t panel_stride,                \
-             const float* bias, int activation, float* y, int64_t ldy, int64_t ncols, const int8_t* next);         \
   }
 
 ROWGEMM_AVX512_DECLARE(rowgemm_avx512)
