@@ -396,6 +396,34 @@ torch::Tensor pack_bias(const torch::Tensor& bias) {
 
 namespace {
 
+// The sweep every product makes over its packed weight: the blocks of
+// ``lay.block_panels`` panels (in parallel over blocks where torch has
+// threads), each with every group of ``lay.group_rows`` of the m rows in turn,
+// the next block of a thread's range prefetched during the first group.
+// block(g, rows, nv, wb, bb, yg, ncols, pf): group g's ``rows`` rows against
+// the ``nv`` panels at wb (bias bb or null), written to yg (at most ncols
+// columns), pf the block to prefetch or null.
+template <typename WT, typename Block>
+void sweep_blocks(int64_t m, int64_t P, int64_t N, Layout lay, const WT* w, int64_t panel_stride, const float* b,
+                  float* yd, int64_t ldy, const Block& block) {
+  const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
+  const int64_t groups = (m + group_rows - 1) / group_rows;
+  const int64_t nblocks = (P + block_panels - 1) / block_panels;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t p = blk * block_panels;
+      const int64_t nv = std::min<int64_t>(block_panels, P - p);
+      const int64_t col = p * kLanes;
+      const WT* wb = w + p * panel_stride;
+      const float* bb = b != nullptr ? b + col : nullptr;
+      const WT* next = blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
+      for (int64_t g = 0; g < groups; ++g)
+        block(g, static_cast<int>(std::min<int64_t>(group_rows, m - g * group_rows)), nv, wb, bb,
+              yd + g * group_rows * ldy + col, N - col, g == 0 ? next : nullptr);
+    }
+  });
+}
+
 // y (m x N, row stride ldy) = x (m x K, contiguous rows) W^T + b through the
 // packed panels w ([P][K][8], float32 or bfloat16 bits); b: P*8 floats or
 // null; act 0 = none, 1 = relu.
@@ -416,7 +444,7 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
   const Isa isa = g_isa;
   const bool wide = isa == Isa::avx512 || isa == Isa::avx512_emulated;
   const Layout lay = layout_for(m, wide);
-  const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
+  const int64_t group_rows = lay.group_rows;
   const int64_t groups = (m + group_rows - 1) / group_rows;
   std::vector<float> xt(static_cast<size_t>(groups * K * group_rows));
   for (int64_t g = 0; g < groups; ++g) {
@@ -429,41 +457,27 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
   }
   const float* xd = xt.data();
   const int64_t panel_stride = K * kLanes;
-  const int64_t nblocks = (P + block_panels - 1) / block_panels;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t p = blk * block_panels;
-      const int64_t nv = std::min<int64_t>(block_panels, P - p);
-      const int64_t col = p * kLanes;
-      const WT* wb = w + p * panel_stride;
-      const float* bb = b != nullptr ? b + col : nullptr;
-      // the next block of this thread's range is fetched during the first row group
-      const WT* next = blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int rows = static_cast<int>(std::min<int64_t>(group_rows, m - g * group_rows));
-        const float* xg = xd + g * K * group_rows;
-        float* yg = yd + g * group_rows * ldy + col;
-        const int64_t ncols = N - col;
-        const WT* pf = g == 0 ? next : nullptr;
-        if (wide) {
-          // pairs of panels in AVX-512 blocks, an odd last panel in an AVX2 one (bitwise the same sums)
-          const int pairs = static_cast<int>(nv / 2);
-          if (pairs > 0) {
-            const bool done = isa == Isa::avx512
-                ? rowgemm_avx512::sweep(rows, pairs, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf)
-                : rowgemm_avx512_emulated::sweep(rows, pairs, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-            TORCH_CHECK(done, "rowgemm: no AVX-512 block of ", rows, " rows x ", pairs, " panel pairs");
-          }
-          if (nv % 2 == 1) {
-            const int64_t c = 2 * pairs * kLanes;
-            rows_block<1, WT>(rows, xg, K, wb + 2 * pairs * panel_stride, panel_stride, bb != nullptr ? bb + c : nullptr,
-                              act, yg + c, ldy, ncols - c, nullptr);
-          }
-        } else if (nv == 3) rows_block<3, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-        else if (nv == 2) rows_block<2, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-        else rows_block<1, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+  sweep_blocks(m, P, N, lay, w, panel_stride, b, yd, ldy,
+               [&](int64_t g, int rows, int64_t nv, const WT* wb, const float* bb, float* yg, int64_t ncols,
+                   const WT* pf) {
+    const float* xg = xd + g * K * group_rows;
+    if (wide) {
+      // pairs of panels in AVX-512 blocks, an odd last panel in an AVX2 one (bitwise the same sums)
+      const int pairs = static_cast<int>(nv / 2);
+      if (pairs > 0) {
+        const bool done = isa == Isa::avx512
+            ? rowgemm_avx512::sweep(rows, pairs, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf)
+            : rowgemm_avx512_emulated::sweep(rows, pairs, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+        TORCH_CHECK(done, "rowgemm: no AVX-512 block of ", rows, " rows x ", pairs, " panel pairs");
       }
-    }
+      if (nv % 2 == 1) {
+        const int64_t c = 2 * pairs * kLanes;
+        rows_block<1, WT>(rows, xg, K, wb + 2 * pairs * panel_stride, panel_stride, bb != nullptr ? bb + c : nullptr,
+                          act, yg + c, ldy, ncols - c, nullptr);
+      }
+    } else if (nv == 3) rows_block<3, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+    else if (nv == 2) rows_block<2, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+    else rows_block<1, WT>(rows, xg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
   });
 #else
   TORCH_CHECK(false, "rowgemm: built without x86-64 support");
@@ -489,7 +503,7 @@ void linear_raw_i8(const float* xs, int64_t m, int64_t K, const int8_t* w, int64
 #ifdef ROWGEMM_X86
   if (m == 0 || N == 0) return;
   const Layout lay = layout_i8(m);
-  const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
+  const int64_t group_rows = lay.group_rows;
   const int64_t groups = (m + group_rows - 1) / group_rows;
   const int64_t kpairs = (K + 1) / 2;
   // Q: the largest integer up to 32767 with 127 * K * Q < 2^31 (exact sums)
@@ -520,27 +534,14 @@ void linear_raw_i8(const float* xs, int64_t m, int64_t K, const int8_t* w, int64
                                                (static_cast<uint32_t>(static_cast<uint16_t>(q[2 * j + 1])) << 16));
   }
   const int64_t panel_stride = (K + kScaleRows) * kLanes;
-  const int64_t nblocks = (P + block_panels - 1) / block_panels;
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t p = blk * block_panels;
-      const int64_t nv = std::min<int64_t>(block_panels, P - p);
-      const int64_t col = p * kLanes;
-      const int8_t* wb = w + p * panel_stride;
-      const float* bb = b != nullptr ? b + col : nullptr;
-      const int8_t* next = blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int rows = static_cast<int>(std::min<int64_t>(group_rows, m - g * group_rows));
-        const int32_t* xg = xp.data() + g * kpairs * group_rows;
-        const float* sg = sx.data() + g * group_rows;
-        float* yg = yd + g * group_rows * ldy + col;
-        const int64_t ncols = N - col;
-        const int8_t* pf = g == 0 ? next : nullptr;
-        if (nv == 3) rows_block_i8<3>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-        else if (nv == 2) rows_block_i8<2>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-        else rows_block_i8<1>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
-      }
-    }
+  sweep_blocks(m, P, N, lay, w, panel_stride, b, yd, ldy,
+               [&](int64_t g, int rows, int64_t nv, const int8_t* wb, const float* bb, float* yg, int64_t ncols,
+                   const int8_t* pf) {
+    const int32_t* xg = xp.data() + g * kpairs * group_rows;
+    const float* sg = sx.data() + g * group_rows;
+    if (nv == 3) rows_block_i8<3>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+    else if (nv == 2) rows_block_i8<2>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
+    else rows_block_i8<1>(rows, xg, sg, K, wb, panel_stride, bb, act, yg, ldy, ncols, pf);
   });
 #else
   TORCH_CHECK(false, "rowgemm: built without x86-64 support");
