@@ -216,6 +216,19 @@ void rows_block(int rows, const float* xt, int64_t K, const WT* w, int64_t panel
   }
 }
 
+// acc[i][v] += the products of row i's pair of k (xpair[i]: two 16-bit
+// values in an int32) and panel v's 8 columns x 2 k (wv[v]), in 32-bit sums
+template <int R, int NV>
+__attribute__((target("avx2,fma"), always_inline)) inline void madd_pairs(__m256i* acc, const __m256i* wv,
+                                                                           const int32_t* xpair) {
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const __m256i xb = _mm256_set1_epi32(xpair[i]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i * NV + v] = _mm256_add_epi32(acc[i * NV + v], _mm256_madd_epi16(xb, wv[v]));
+  }
+}
+
 // int8 panels (see the top of the file): R rows (xp: the rows' 16-bit
 // values in pairs of k, [ceil(K/2)][R] int32, an odd K's last pair
 // (x[K-1], 0); sx: the rows' scales) against NV panels, summed exactly in
@@ -239,12 +252,7 @@ __attribute__((target("avx2,fma"))) void block_i8(const int32_t* xp, const float
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)  // 8 columns x 2 k, widened to 16 bits
       wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * panel_stride + j * 16)));
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m256i xb = _mm256_set1_epi32(xp[j * R + i]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i * NV + v] = _mm256_add_epi32(acc[i * NV + v], _mm256_madd_epi16(xb, wv[v]));
-    }
+    madd_pairs<R, NV>(acc, wv, xp + j * R);
   }
   if (K % 2 == 1) {  // the last k-row alone, paired with zeros
     const __m128i zero = _mm_setzero_si128();
@@ -253,12 +261,7 @@ __attribute__((target("avx2,fma"))) void block_i8(const int32_t* xp, const float
     for (int v = 0; v < NV; ++v)
       wv[v] = _mm256_cvtepi8_epi16(
           _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + v * panel_stride + (K - 1) * kLanes)), zero));
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m256i xb = _mm256_set1_epi32(xp[pairs * R + i]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i * NV + v] = _mm256_add_epi32(acc[i * NV + v], _mm256_madd_epi16(xb, wv[v]));
-    }
+    madd_pairs<R, NV>(acc, wv, xp + pairs * R);
   }
   alignas(32) float out[R * NV * kLanes];
   const __m256 zero = _mm256_setzero_ps();

@@ -3,17 +3,17 @@
 //
 // The weight keeps the packing of rowgemm.cpp, panels of 8 columns
 // ([P][K][8], float32 or bfloat16 bits; int8 panels always take rowgemm.cpp's
-// integer blocks).  A 16-lane
-// vector holds one k-step of two neighbouring panels (its low half the first,
-// its high half the second), so the 32 registers of AVX-512 hold blocks of
-// up to 4 rows x 4 vectors (64 columns) or 8 rows x 3 vectors (48 columns):
-// a call of up to 8 rows sweeps 48 or 64 columns of the weight at once, with
-// one 16-lane fused multiply-add per row and vector at every k-step.
+// integer blocks).  A 16-lane vector holds one k-step of two neighbouring
+// panels (its low half the first, its high half the second), so the 32
+// registers of AVX-512 hold blocks of up to 4 rows x 4 vectors (64 columns)
+// or 8 rows x 3 vectors (48 columns): a call of up to 8 rows sweeps 48 or
+// 64 columns of the weight at once, with one 16-lane fused multiply-add per
+// row and vector at every k-step.
 //
 // Arithmetic: each lane computes what rowgemm.cpp's AVX2 blocks compute for
 // its column (the in-order float32 sum over k of x[i][k] * W[n][k] by fused
-// multiply-adds from 0, plus the bias, then the ReLU),
-// so a product here is bitwise the AVX2 product (tests/test_rowgemm.py).
+// multiply-adds from 0, plus the bias, then the ReLU), so a product here is
+// bitwise the AVX2 product (tests/test_rowgemm.py).
 //
 // This file is compiled twice: as itself (namespace rowgemm_avx512, AVX-512F
 // instructions) and by rowgemm_avx512_emulated.cpp with
