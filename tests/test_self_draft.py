@@ -214,6 +214,74 @@ def test_rejected_drafts_leave_the_copy_cache_consistent(toy_bin, ar_checkpoint,
     assert any(a == d for d, a in pairs), "no draft was accepted whole: the catch-up pass is not exercised"
 
 
+@pytest.mark.skipif(not rowgemm.draft_steps_available(), reason="the C++ extension's draft steps are not built here")
+def test_draft_steps_pick_as_torch_max_with_pad_masked():
+    """The native steps' pick (one step, no pass fed): each row's first
+    largest log-prob other than pad's, a NaN before any number, as
+    ``lprobs[:, pad] = -inf; lprobs.max(-1)``; the pick's log-prob beside it."""
+    V, pad, eos = 50, 1, 2
+    g = torch.Generator().manual_seed(0)
+    first = torch.randn(7, V, generator=g)
+    first[0, pad] = 100.0  # pad is never picked
+    first[1, [5, 9, 40]] = 50.0  # ties: the first
+    first[2, 7], first[2, 30] = float("nan"), 60.0  # a NaN wins, the first of them
+    first[2, 33] = float("nan")
+    first[3] = -math.inf  # every type impossible: index 0, as torch's max
+    first[4, eos] = 70.0  # EOS may be picked (the row then stops drafting)
+    first[5, V - 1] = 80.0  # the last type
+    empty = torch.empty(0)
+    picks, scores, features = rowgemm._ext.draft_steps(
+        first, 1, pad, eos, -math.inf, list(range(7)), empty, 1.0, None, [], [], [], [], [], [], None, None, None,
+        1e-5, empty, V, None, 1.0)
+    want = first.clone()
+    want[:, pad] = -math.inf
+    best, token = want.max(-1)
+    assert picks.tolist() == token.unsqueeze(1).tolist()
+    assert torch.equal(scores[:, 0].nan_to_num(-1.0), best.nan_to_num(-1.0))
+    assert features is None  # one step: no pass ran
+
+
+@pytest.mark.skipif(not rowgemm.draft_steps_available(), reason="the C++ extension's draft steps are not built here")
+@pytest.mark.parametrize("bsz, argv", [(1, ()), (8, ()), (8, ("--draft-min-confidence", "0.5"))],
+                         ids=["bs1", "bs8", "bs8-cut"])
+def test_native_draft_steps_are_the_python_steps(toy_bin, ar_checkpoint, monkeypatch, bsz, argv):
+    """The copy's steps in one native call propose what the Python loop
+    over its passes proposes: the same drafts and bitwise the same
+    log-probs at every iteration of a decoding (so the cache they leave
+    behind feeds the next iteration alike), steps cut where the Python
+    loop cuts them (a confidence cut, EOS, k)."""
+    from fairseq import tasks
+
+    model, _ = H.load_model(ar_checkpoint, toy_bin)
+
+    def proposals(native):
+        monkeypatch.setattr(rowgemm, "draft_steps_available", lambda: native)
+        cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "draft_verify", *SD, "--draft-max-rows", "0", *argv)
+        task = tasks.setup_task(cfg.task)
+        gen = task.build_generator([model], cfg.generation)
+        assert gen.drafter.copy.whole_pass is not None, "the copy's pass is not one native call: nothing to compare"
+        seen, propose = [], gen.drafter.propose
+
+        def recorded(state, k):
+            drafts, scores = propose(state, k)
+            seen.append((k, drafts.clone(), scores.clone()))
+            return drafts, scores
+
+        gen.drafter.propose = recorded
+        out = H.output_tokens(H.run_generator(gen, model, H.batches(task, "test", bsz)))
+        return out, seen
+
+    got, native = proposals(True)
+    want, python = proposals(False)
+    assert got == want
+    assert len(native) == len(python) > 0
+    for (k, d, s), (k2, d2, s2) in zip(native, python):
+        assert k == k2 and torch.equal(d, d2) and torch.equal(s, s2), (k, d, d2, s, s2)
+    steps = [d.size(1) for _, d, _ in native]
+    assert any(n < k for (k, _, _), n in zip(native, steps)), "no steps were cut short: the test exercises nothing"
+    assert any(n > 1 for n in steps)
+
+
 def test_refusals(toy_bin, ar_checkpoint, tmp_path):
     """A drafter checkpoint or --draft-tree is refused by name before any output."""
     proc = H.generate(toy_bin, ar_checkpoint, *SD, "--drafter-path", str(tmp_path / "x.pt"), task="draft_verify",

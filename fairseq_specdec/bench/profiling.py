@@ -6,8 +6,8 @@ Every decoder is built as ``fairseq-generate`` builds it
 decodes the same sentences at batch 1 after a warm-up: fairseq's ``--beam 1``,
 then strict draft-verify with ``--drafter``, the blockwise heads of
 ``--blockwise``, greedy decoding through the loop (``--loop-greedy``) and
-n-gram drafting from the data directory's train split (``--ngram``), as
-given.  Each component is timed around its call:
+n-gram drafting from the data directory's train split (``--ngram``) and
+the verifier's int8 copy drafting (``--self-draft``), as given.  Each component is timed around its call:
 
 * greedy (``SequenceGenerator``, ``--beam 1``): encoder, decoder step (one
   token, vocabulary projection and log-softmax included), and everything else
@@ -189,6 +189,8 @@ def main(argv=None):
     parser.add_argument("--loop-greedy", action="store_true", help="also profile greedy decoding through the plugin's loop")
     parser.add_argument("--ngram", action="store_true",
                         help="also profile --decoding ngram (drafts from the --data directory's train split)")
+    parser.add_argument("--self-draft", action="store_true",
+                        help="also profile --decoding self-draft (the verifier's int8 copy drafts)")
     parser.add_argument("--src", default="en")
     parser.add_argument("--tgt", default="de")
     parser.add_argument("--subset", default="test")
@@ -201,9 +203,9 @@ def main(argv=None):
                              "(write it with =, e.g. --extra=\"--adaptive-draft --draft-min-confidence 0.3\")")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    if not (args.drafter or args.blockwise or args.loop_greedy or args.ngram):
+    if not (args.drafter or args.blockwise or args.loop_greedy or args.ngram or args.self_draft):
         parser.error("give at least one decoder to profile against fairseq's --beam 1: --drafter, --blockwise, "
-                     "--ngram or --loop-greedy")
+                     "--ngram, --self-draft or --loop-greedy")
     for path in (args.verifier, args.drafter, args.blockwise):
         if path is not None and not os.path.exists(path):
             parser.error(f"no such file: {path}")
@@ -228,6 +230,9 @@ def main(argv=None):
     if args.ngram:
         loops.append(("n-gram corpus strict", dict(common, path=args.verifier,
                                                    extra=["--decoding", "ngram"] + k + args.extra.split())))
+    if args.self_draft:
+        loops.append(("self-draft strict", dict(common, path=args.verifier,
+                                                extra=["--decoding", "self-draft"] + k + args.extra.split())))
 
     def calls(timers, prefix):
         return timers.calls[next(name for name in timers.ms if name.startswith(prefix))]

@@ -462,6 +462,37 @@ class LeanVerifier(VerifyPass):
             x = self._layer(lw, i, x, mask, start, width, rows, positions)
         return self._finish(x, needed)
 
+    @property
+    def native_steps(self) -> bool:
+        """Whether :meth:`draft_steps` runs: the whole pass is one call of an
+        extension built with the steps, and the decoder is not training."""
+        return (self.whole_pass is not None and self.use_fused and rowgemm.draft_steps_available()
+                and not self.decoder.training)
+
+    def draft_steps(self, first: Tensor, state, k: int, pad: int, eos: int, log_min_confidence: float):
+        """A drafter's greedy steps over this pass in one call of the
+        extension (where :attr:`native_steps`): from ``first`` (B x V, each
+        row's log-probs of its newest token, at position
+        ``state.lengths_host[r]``), up to ``k`` picks, each row's best type
+        but ``pad``, fed back one token a step (the first at
+        ``lengths_host[r] + 1``) while any row's picks are all at least
+        ``log_min_confidence`` and not ``eos``: what ``k`` calls of
+        :meth:`forward` with those picks and the same stopping compute.
+        Returns ``(picks B x steps, their log-probs)``; the cache holds the
+        fed picks' entries, as after those calls."""
+        lengths_host = state.lengths_host
+        self._prepare(state, max(lengths_host) + k)
+        bsz = len(lengths_host)
+        pad_mask = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
+        dec = self.decoder
+        picks, scores, features = self.whole_pass.draft_steps(
+            first, k, pad, eos, log_min_confidence, lengths_host, dec.embed_tokens.weight, dec.embed_scale,
+            self.position_table, self.keys, self.values, self.cross, pad_mask, dec.layer_norm, self.temperature,
+        )
+        if features is not None:
+            self.last_features = features
+        return picks, scores
+
     def _layer(self, lw: _Layer, i: int, x: Tensor, mask, start: int, width: int, rows, positions) -> Tensor:
         bsz, m, _ = x.shape
 

@@ -152,6 +152,10 @@ class SelfDrafter(Drafter, TimedParts):
             needed = torch.arange(behind + 1, device=device).unsqueeze(0) == slot.unsqueeze(1)
             lprobs = self.copy.forward(tokens, rows, needed)
             lprobs = lprobs.gather(1, slot.view(-1, 1, 1).expand(-1, 1, lprobs.size(-1)))[:, 0]
+        if self.copy.native_steps:
+            drafts, scores = self.copy.draft_steps(lprobs, state, k, self.pad, self.eos, self.log_min_confidence)
+            self._base, self._steps = list(lengths), drafts.size(1)
+            return drafts, scores
         drafts, scores = [], []
         lengths_t = state.lengths
         going = None  # B bool: rows still drafting (confident so far, no EOS)
@@ -194,4 +198,5 @@ class SelfDrafter(Drafter, TimedParts):
         yield self, "start_batch", "drafter start of batch"
         yield self, "propose", f"int8 copy's draft (up to {k} steps)"
         yield self.copy, "forward", "of which: one int8 copy pass", False
+        yield self.copy, "draft_steps", "of which: the copy's steps in one native call", False
         yield self, "update", "drafter feedback", False

@@ -1122,6 +1122,74 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
   return {at::log_softmax(logits, -1, torch::kFloat), x};
 }
 
+// A self-drafter's greedy steps in one call (SelfDrafter.propose's native
+// path, self_draft.py), in place of its Python loop, which computes the same:
+// from each row's log-probs of its newest token (first: B x V), each step
+// picks every row's best type other than ``pad`` (torch's max over the row
+// with pad at -inf: the first largest, a NaN before any number) and its
+// log-prob; a row stays sure while each pick is at least log_min_conf and
+// not ``eos``; the steps end after k picks, or once no row is sure, else
+// every row's pick is fed as one new token at position starts[r] + s + 1
+// (s: the step) through decoder_pass with the remaining arguments, which
+// writes the caches (their capacity must hold max(starts) + k positions).
+// Returns (picks B x steps int64, their log-probs B x steps float32, the
+// features of the last decoder_pass, or an undefined tensor if none ran).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_steps(
+    const torch::Tensor& first, int64_t k, int64_t pad, int64_t eos, double log_min_conf,
+    const std::vector<int64_t>& starts, const torch::Tensor& embed_w, double embed_scale,
+    const c10::optional<torch::Tensor>& pos_table, const std::vector<torch::Tensor>& layers,
+    const std::vector<double>& scalars, const std::vector<torch::Tensor>& keys,
+    const std::vector<torch::Tensor>& values, const std::vector<torch::Tensor>& cross_keys,
+    const std::vector<torch::Tensor>& cross_values, const c10::optional<torch::Tensor>& enc_pad,
+    const c10::optional<torch::Tensor>& final_ln_w, const c10::optional<torch::Tensor>& final_ln_b,
+    double final_eps, const torch::Tensor& out_packed, int64_t vocab, const c10::optional<torch::Tensor>& out_bias,
+    double temperature) {
+  TORCH_CHECK(k >= 1, "draft_steps: k must be at least 1, got ", k);
+  TORCH_CHECK(first.dim() == 2 && first.scalar_type() == torch::kFloat && first.device().is_cpu(),
+              "draft_steps: first must be B x V float32 log-probs on the CPU");
+  const int64_t B = first.size(0), V = first.size(1);
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "draft_steps: starts must hold one position per row (", B,
+              "), not ", starts.size());
+  const float lo = static_cast<float>(log_min_conf);
+  auto picks = torch::empty({B, k}, first.options().dtype(torch::kLong));
+  auto scores = torch::empty({B, k}, first.options());
+  int64_t* pk = picks.data_ptr<int64_t>();
+  float* sc = scores.data_ptr<float>();
+  std::vector<char> sure(static_cast<size_t>(B), 1);
+  torch::Tensor lprobs = first.contiguous(), features, token = torch::empty({B, 1}, picks.options());
+  std::vector<int64_t> at(starts);
+  int64_t steps = 0;
+  for (int64_t s = 0; s < k; ++s) {
+    const float* lp = lprobs.data_ptr<float>();
+    bool any = false;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = lp + b * V;
+      int64_t arg = -1;
+      float best = 0.0f;
+      for (int64_t j = 0; j < V; ++j) {
+        const float v = j == pad ? -std::numeric_limits<float>::infinity() : row[j];
+        if (arg < 0 || v > best || (std::isnan(v) && !std::isnan(best))) arg = j, best = v;
+      }
+      pk[b * k + s] = arg;
+      sc[b * k + s] = best;
+      token.data_ptr<int64_t>()[b] = arg;
+      sure[b] = sure[b] && best >= lo && arg != eos;
+      any = any || sure[b];
+    }
+    steps = s + 1;
+    if (s == k - 1 || !any) break;
+    for (int64_t b = 0; b < B; ++b) at[b] = starts[b] + s + 1;
+    auto out = decoder_pass(token, c10::nullopt, at, embed_w, embed_scale, pos_table, layers, scalars, keys, values,
+                            cross_keys, cross_values, enc_pad, c10::nullopt, final_ln_w, final_ln_b, final_eps,
+                            out_packed, vocab, out_bias, temperature);
+    TORCH_CHECK(std::get<0>(out).size(2) == V, "draft_steps: the pass's vocabulary (", std::get<0>(out).size(2),
+                ") is not first's (", V, ")");
+    lprobs = std::get<0>(out).select(1, 0).contiguous();
+    features = std::get<1>(out);
+  }
+  return {picks.narrow(1, 0, steps).contiguous(), scores.narrow(1, 0, steps).contiguous(), features};
+}
+
 namespace {
 
 #ifdef ROWGEMM_X86
@@ -1275,6 +1343,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("decoder_pass", &decoder_pass,
         "a whole verify pass of the decoder: inputs, every fused layer, final norm, projection, log-softmax");
+  m.def("draft_steps", &draft_steps,
+        "a self-drafter's greedy steps: each row's best non-pad pick and its log-prob, fed through decoder_pass "
+        "while any row stays sure");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
   m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
   m.def("draft_pick", &draft_pick,
