@@ -282,6 +282,40 @@ def test_native_draft_steps_are_the_python_steps(toy_bin, ar_checkpoint, monkeyp
     assert any(n > 1 for n in steps)
 
 
+def test_the_verifier_and_its_copy_check_their_weights_once_and_both_follow_a_change(toy_bin, ar_checkpoint, monkeypatch):
+    """The verify pass and the int8 copy lay out the same decoder layers:
+    one weight check per batch serves both (the encoder has its own); a
+    change of the verifier's weights between batches (through ``.data``, as
+    an optimizer writes) lays both out again, and the output is the
+    changed model's --beam 1."""
+    from fairseq import tasks
+    from fairseq_specdec.utils.projection import WeightsWatch
+
+    model, _ = H.load_model(ar_checkpoint, toy_bin)
+    cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "draft_verify", *SD, "--draft-max-rows", "0")
+    task = tasks.setup_task(cfg.task)
+    gen = task.build_generator([model], cfg.generation)
+    sample = H.batches(task, "test", 4)[0]
+    gen.generate([model], sample)
+    looked, changed = [], WeightsWatch.changed
+    monkeypatch.setattr(WeightsWatch, "changed", lambda self, weights: looked.append(self) or changed(self, weights))
+    gen.generate([model], sample)
+    verifier, copy = gen.verifier, gen.drafter.copy
+    assert verifier._weights is copy._weights
+    decoder_looks = [w for w in looked if w is verifier._weights.watch]
+    assert len(decoder_looks) == 1, looked
+    layers = (verifier.layers, copy.layers)
+    with torch.no_grad():
+        for p in model.decoder.layers[0].fc2.parameters():
+            p.data.mul_(1.5)
+    got = H.output_tokens(H.run_generator(gen, model, [sample]))
+    assert verifier.layers is not layers[0] and copy.layers is not layers[1]
+    stock_cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "translation")
+    stock = tasks.setup_task(stock_cfg.task).build_generator([model], stock_cfg.generation)
+    want = H.output_tokens(H.run_generator(stock, model, [sample]))
+    assert got == want
+
+
 def test_refusals(toy_bin, ar_checkpoint, tmp_path):
     """A drafter checkpoint or --draft-tree is refused by name before any output."""
     proc = H.generate(toy_bin, ar_checkpoint, *SD, "--drafter-path", str(tmp_path / "x.pt"), task="draft_verify",

@@ -4,7 +4,7 @@ Optimizers write through ``p.data``: no version bump, same storage."""
 import pytest
 import torch
 
-from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch
+from fairseq_specdec.utils.projection import DerivedWeight, ModuleParameters, WeightsWatch, inference_scope, shared_watch
 
 
 @pytest.fixture
@@ -116,3 +116,29 @@ def test_module_parameters_reads_what_parameters_reads_and_sees_a_replaced_param
     assert watch.changed(read())
     net[0].bias = None  # a parameter removed
     assert len(read()) == 2
+
+
+def test_shared_watch_looks_once_per_scope_and_every_user_sees_a_change():
+    """The weights several layouts are made from: one look per inference
+    scope, whoever asks; a look at every call outside one; a change seen
+    by one user is a new generation for all."""
+    owner = torch.nn.Linear(30, 40)
+    watch = shared_watch(owner, "layers")
+    assert shared_watch(owner, "layers") is watch and shared_watch(owner, "other") is not watch
+    assert shared_watch(torch.nn.Linear(30, 40), "layers") is not watch
+    looks = []
+
+    def listed():
+        looks.append(1)
+        return [owner.weight, owner.bias]
+
+    assert watch.look(listed) == 1 and len(looks) == 1  # the first look: generation 1
+    with inference_scope():
+        assert watch.look(listed) == watch.look(listed) == 1
+    assert len(looks) == 2
+    with torch.no_grad():
+        owner.weight.data.view(-1)[0] += 1.0  # a sampled element, through .data: no version bump
+    with inference_scope():
+        assert watch.look(listed) == 2 and watch.look(listed) == 2
+    assert len(looks) == 3
+    assert watch.look(listed) == 2 and watch.look(listed) == 2 and len(looks) == 5  # outside a scope: every call

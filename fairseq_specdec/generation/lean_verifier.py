@@ -32,7 +32,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
 from ..kernels import rowgemm
 from ..utils.int8 import Int8Linear, int8_unavailable_reason
-from ..utils.projection import ModuleParameters, WeightsWatch, cat_linears, transposed_linear
+from ..utils.projection import ModuleParameters, cat_linears, shared_watch, transposed_linear
 from ..utils.encoder_out import encoder_states
 from .lean_encoder import LeanEncoder, lean_encoder_unsupported_reason
 from .verify_pass import VerifyPass
@@ -264,7 +264,10 @@ class LeanVerifier(VerifyPass):
         self.output: Optional[object] = None  # the vocabulary projection, laid out for gemm
         self.project_out: Optional[object] = None  # the decoder's project_out_dim, laid out for gemm
         self.layers = []
-        self._weights = WeightsWatch()  # the weights the layouts below were made from
+        #: the weights the layouts below are made from, watched once per batch
+        #: for every pass laid out from them (this verifier's and its int8 copy's)
+        self._weights = shared_watch(self.decoder, f"lean pass layers, projection {self._projection is not None}")
+        self._built: Optional[int] = None  # the weights' generation the layouts were made from
         self._layer_parameters = ModuleParameters(self.decoder.layers)
         self.keys: List[Tensor] = []
         self.values: List[Tensor] = []
@@ -315,7 +318,8 @@ class LeanVerifier(VerifyPass):
         """A new batch: empty caches; the layers' weights gathered again if
         any changed since the last batch (a model trained in between)."""
         super().start()
-        if self._weights.changed(self._laid_out_weights()):
+        generation = self._weights.look(self._laid_out_weights)
+        if generation != self._built:
             self.layers = [_Layer(layer, self.gemm, self.fused_layers, self.precision) for layer in self.decoder.layers]
             if self._projection is not None:
                 proj = self.decoder.output_projection
@@ -325,6 +329,7 @@ class LeanVerifier(VerifyPass):
             self.project_out = (make_linear(out_dim.weight, out_dim.bias, self.gemm, precision=self.precision)
                                 if out_dim is not None else None)
             self.whole_pass = rowgemm.DecoderPass([lw.fused for lw in self.layers], self.output) if self.one_call else None
+            self._built = generation
         self.keys, self.values = [], []
         self.cross = None
         self.enc_mask = None
@@ -401,12 +406,9 @@ class LeanVerifier(VerifyPass):
             self.cross = []
             for lw in self.layers:
                 s, b = enc.size(0), enc.size(1)
-                heads = (s, b, lw.c_heads, lw.c_head_dim)
-                shape = (b * lw.c_heads, s, lw.c_head_dim)
-                kv = lw.ca_kv(enc).view(s, b, 2, lw.c_heads, lw.c_head_dim)
-                self.cross.append(tuple(
-                    kv[:, :, j].permute(1, 2, 0, 3).reshape(shape).contiguous() for j in range(2)
-                ))
+                # keys and values laid out by one copy: 2 x B x heads x S x head_dim
+                kv = lw.ca_kv(enc).view(s, b, 2, lw.c_heads, lw.c_head_dim).permute(2, 1, 3, 0, 4).contiguous()
+                self.cross.append(tuple(kv[j].view(b * lw.c_heads, s, lw.c_head_dim) for j in range(2)))
         capacity = self.keys[0].size(2) if self.keys else 0
         if width > capacity:
             new_capacity = max(width, 2 * capacity, 32)

@@ -14,8 +14,11 @@ version counter, so neither can tell a stale copy.  A copy is therefore
 checked against its weight's storage, version, dtype and 16 sampled values
 (:class:`WeightsWatch`) at its first use in every :func:`inference_scope` (one per
 ``generate()`` call of the speculative loop) and at every use outside one;
-inside a scope the weights are taken to be constant.
+inside a scope the weights are taken to be constant.  Weights that several
+layouts are made from are looked at once per scope for all of them
+(:class:`SharedWatch`).
 """
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
@@ -92,6 +95,45 @@ class WeightsWatch:
         self._values = self._read(weights).clone() if weights else None
         self.generation += 1
         return True
+
+
+class SharedWatch:
+    """One :class:`WeightsWatch` for every layout made from the same list of
+    weights (:func:`shared_watch`: the verify pass and the int8 copy of
+    ``--decoding self-draft`` lay out the same decoder's layers), so that
+    the list is looked at once per :func:`inference_scope` (at every call
+    outside one) however many layouts are made from it.  Each user keeps
+    the :attr:`generation` it last built from and builds again when it
+    differs; the weights are then taken to be constant inside a scope, as
+    :class:`DerivedWeight` takes them."""
+
+    def __init__(self):
+        self.watch = WeightsWatch()
+        self._epoch = None
+
+    @property
+    def generation(self) -> int:
+        """How many times the weights were seen changed (0: never looked)."""
+        return self.watch.generation
+
+    def look(self, weights: Callable[[], Sequence[Tensor]]) -> int:
+        """The weights' :attr:`generation`, after a look at ``weights()``
+        unless one was taken in this scope already."""
+        if not (_SCOPE[0] > 0 and self._epoch == _SCOPE[1]):
+            self.watch.changed(weights())
+            self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
+        return self.watch.generation
+
+
+#: owner module -> {what: SharedWatch}
+_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def shared_watch(owner: torch.nn.Module, what: str) -> SharedWatch:
+    """The :class:`SharedWatch` of the weights ``what`` names of ``owner``
+    (made at the first call): every caller naming the same ``what`` must
+    list the same weights of it."""
+    return _SHARED.setdefault(owner, {}).setdefault(what, SharedWatch())
 
 
 class ModuleParameters:
