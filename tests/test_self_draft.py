@@ -244,22 +244,23 @@ def test_draft_steps_pick_as_torch_max_with_pad_masked():
 @pytest.mark.skipif(not rowgemm.draft_steps_available(), reason="the C++ extension's draft steps are not built here")
 @pytest.mark.parametrize("bsz, argv", [(1, ()), (8, ()), (8, ("--draft-min-confidence", "0.5"))],
                          ids=["bs1", "bs8", "bs8-cut"])
-def test_native_draft_steps_are_the_python_steps(toy_bin, ar_checkpoint, monkeypatch, bsz, argv):
+def test_native_draft_steps_are_the_python_steps(toy_bin, ar_checkpoint, bsz, argv):
     """The copy's steps in one native call propose what the Python loop
-    over its passes proposes: the same drafts and bitwise the same
-    log-probs at every iteration of a decoding (so the cache they leave
-    behind feeds the next iteration alike), steps cut where the Python
-    loop cuts them (a confidence cut, EOS, k)."""
+    over its passes proposes (the ``steps`` part switched off): the same
+    drafts and bitwise the same log-probs at every iteration of a decoding
+    (so the cache they leave behind feeds the next iteration alike), steps
+    cut where the Python loop cuts them (a confidence cut, EOS, k)."""
     from fairseq import tasks
 
     model, _ = H.load_model(ar_checkpoint, toy_bin)
 
     def proposals(native):
-        monkeypatch.setattr(rowgemm, "draft_steps_available", lambda: native)
         cfg = H.generation_cfg(toy_bin, "--beam", "1", "--task", "draft_verify", *SD, "--draft-max-rows", "0", *argv)
         task = tasks.setup_task(cfg.task)
+        task.generation_services.parts_off = frozenset() if native else frozenset({"steps"})
         gen = task.build_generator([model], cfg.generation)
-        assert gen.drafter.copy.whole_pass is not None, "the copy's pass is not one native call: nothing to compare"
+        assert gen.drafter.native_steps is native
+        assert gen.drafter.copy.steps_in_one_call, "the copy's pass is not one native call: nothing to compare"
         seen, propose = [], gen.drafter.propose
 
         def recorded(state, k):

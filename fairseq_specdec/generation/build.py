@@ -182,7 +182,8 @@ def _self_drafter(ctx: DrafterContext) -> BuiltDrafter:
     _no_drafter_model(ctx, "drafts with the verifier's own int8 copy")
     tgt = ctx.task.target_dictionary
     cut = ctx.options.min_confidence_or(SELF_DRAFT_MIN_CONFIDENCE)
-    drafter = SelfDrafter(ctx.verifier, tgt.pad(), tgt.eos(), cut, native=ctx.backend.drafting.products)
+    kernels = ctx.backend.drafting
+    drafter = SelfDrafter(ctx.verifier, tgt.pad(), tgt.eos(), cut, native=kernels.products, steps=kernels.steps)
     block_size = ctx.options.block_size_or(SELF_DRAFT_BLOCK_SIZE)
     return BuiltDrafter(drafter, block_size, drafter.describe(), min_confidence=SELF_DRAFT_MIN_CONFIDENCE)
 

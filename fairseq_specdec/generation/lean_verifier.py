@@ -465,15 +465,15 @@ class LeanVerifier(VerifyPass):
         return self._finish(x, needed)
 
     @property
-    def native_steps(self) -> bool:
-        """Whether :meth:`draft_steps` runs: the whole pass is one call of an
-        extension built with the steps, and the decoder is not training."""
-        return (self.whole_pass is not None and self.use_fused and rowgemm.draft_steps_available()
-                and not self.decoder.training)
+    def steps_in_one_call(self) -> bool:
+        """Whether :meth:`draft_steps` can run: the whole pass is one call
+        (:attr:`one_call`, laid out), the fused layers are in use and the
+        decoder is not training (the backend decides whether it is used)."""
+        return self.whole_pass is not None and self.use_fused and not self.decoder.training
 
     def draft_steps(self, first: Tensor, state, k: int, pad: int, eos: int, log_min_confidence: float):
         """A drafter's greedy steps over this pass in one call of the
-        extension (where :attr:`native_steps`): from ``first`` (B x V, each
+        extension (where :attr:`steps_in_one_call`): from ``first`` (B x V, each
         row's log-probs of its newest token, at position
         ``state.lengths_host[r]``), up to ``k`` picks, each row's best type
         but ``pad``, fed back one token a step (the first at

@@ -106,14 +106,18 @@ class _Rows:
 class SelfDrafter(Drafter, TimedParts):
     """Drafts with the verifier's int8 copy (see the module docstring)."""
 
-    def __init__(self, model, pad: int, eos: int, min_confidence: float = 0.0, native: bool = True):
+    def __init__(self, model, pad: int, eos: int, min_confidence: float = 0.0, native: bool = True,
+                 steps: bool = False):
         """``native``: the backend lets drafters use the plugin's kernels
-        (they are used where they run on the verifier's weights)."""
+        (they are used where they run on the verifier's weights);
+        ``steps``: it lets the copy's steps run as one call of them."""
         native = native_int8(native, model)
         reason = self_draft_unsupported_reason(model, native)
         if reason is not None:
             raise ValueError(f"--decoding self-draft cannot make an int8 copy of this verifier: {reason}")
         self.native = native
+        #: the steps in one native call (where the copy's pass is one call), else the Python loop
+        self.native_steps = native and steps
         self.copy = int8_copy(model, native)
         self.pad, self.eos = pad, eos
         self.min_confidence = min_confidence
@@ -152,7 +156,7 @@ class SelfDrafter(Drafter, TimedParts):
             needed = torch.arange(behind + 1, device=device).unsqueeze(0) == slot.unsqueeze(1)
             lprobs = self.copy.forward(tokens, rows, needed)
             lprobs = lprobs.gather(1, slot.view(-1, 1, 1).expand(-1, 1, lprobs.size(-1)))[:, 0]
-        if self.copy.native_steps:
+        if self.native_steps and self.copy.steps_in_one_call:
             drafts, scores = self.copy.draft_steps(lprobs, state, k, self.pad, self.eos, self.log_min_confidence)
             self._base, self._steps = list(lengths), drafts.size(1)
             return drafts, scores

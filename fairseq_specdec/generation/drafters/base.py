@@ -63,12 +63,14 @@ class DraftKernels:
     ``products``: packed row-blocked products where a weight allows them;
     ``precision``: the element type of those packings (float32, bfloat16);
     ``pick``: a shortlist projection's best type in one call; ``block``: the
-    ``specdec_vsd`` pass through :class:`NativeBlockPass`."""
+    ``specdec_vsd`` pass through :class:`NativeBlockPass`; ``steps``: the
+    self-drafter's steps in one call (``LeanVerifier.draft_steps``)."""
 
     products: bool = False
     precision: str = "float32"
     pick: bool = False
     block: bool = False
+    steps: bool = False
 
 
 #: torch's operations only (the reference backend, devices the kernels do not run on)
