@@ -5,9 +5,10 @@ Every decoder is built as ``fairseq-generate`` builds it
 (:func:`fairseq_specdec.bench.loading.load_decoder`), with threads pinned, and
 decodes the same sentences at batch 1 after a warm-up: fairseq's ``--beam 1``,
 then strict draft-verify with ``--drafter``, the blockwise heads of
-``--blockwise``, greedy decoding through the loop (``--loop-greedy``) and
+``--blockwise``, greedy decoding through the loop (``--loop-greedy``),
 n-gram drafting from the data directory's train split (``--ngram``) and
-the verifier's int8 copy drafting (``--self-draft``), as given.  Each component is timed around its call:
+the verifier's int8 copy drafting (``--self-draft``), as given.  Each
+component is timed around its call:
 
 * greedy (``SequenceGenerator``, ``--beam 1``): encoder, decoder step (one
   token, vocabulary projection and log-softmax included), and everything else

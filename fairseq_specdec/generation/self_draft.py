@@ -23,11 +23,14 @@ first feeds each row's tokens the cache lacks (its newest accepted token,
 plus any earlier ones: after an iteration whose drafts were all accepted the
 last of them was never fed, and iterations that drafted nothing feed
 nothing) in one pass, then one token per step, each step's greedy token the
-next step's input.  Its entries past a row's accepted prefix are scratch
-(the lean cache's invariant: a pass writes at the row's length and never
-reads past its own input), so a rejected draft needs no rollback:
-:meth:`SelfDrafter.update` only counts which of the fed drafts were
-accepted.
+next step's input: all the steps in one call of the extension
+(:meth:`~fairseq_specdec.generation.lean_verifier.LeanVerifier.draft_steps`)
+where the backend allows its ``steps`` part, else a Python loop over the
+copy's passes that computes the same.  Its entries past a row's accepted
+prefix are scratch (the lean cache's invariant: a pass writes at the row's
+length and never reads past its own input), so a rejected draft needs no
+rollback: :meth:`SelfDrafter.update` only counts which of the fed drafts
+were accepted.
 
 A draft stops before its first token whose probability under the copy is
 below ``min_confidence`` (``--draft-min-confidence``): the loop's draft
