@@ -92,7 +92,7 @@ def test_profile_script_profiles_loop_greedy_and_blockwise(toy_bin, ar_checkpoin
 def test_profile_script_needs_a_decoder_to_profile(toy_bin, ar_checkpoint):
     proc = H.run([H.cli("python"), H.ROOT / "scripts" / "profile-draft-verify.py", "--data", toy_bin,
                   "--verifier", ar_checkpoint], check=False)
-    assert proc.returncode != 0 and "--drafter, --blockwise, --ngram or --loop-greedy" in proc.stderr
+    assert proc.returncode != 0 and "--drafter, --blockwise, --ngram, --self-draft or --loop-greedy" in proc.stderr
 
 
 def test_profile_script_accounts_for_every_millisecond(toy_bin, ar_checkpoint, nat_checkpoint, tmp_path):

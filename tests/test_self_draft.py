@@ -214,7 +214,7 @@ def test_rejected_drafts_leave_the_copy_cache_consistent(toy_bin, ar_checkpoint,
     assert any(a == d for d, a in pairs), "no draft was accepted whole: the catch-up pass is not exercised"
 
 
-@pytest.mark.skipif(not rowgemm.draft_steps_available(), reason="the C++ extension's draft steps are not built here")
+@pytest.mark.skipif(not rowgemm.decoder_steps_available(), reason="the C++ extension's draft steps are not built here")
 def test_draft_steps_pick_as_torch_max_with_pad_masked():
     """The native steps' pick (one step, no pass fed): each row's first
     largest log-prob other than pad's, a NaN before any number, as
@@ -230,7 +230,7 @@ def test_draft_steps_pick_as_torch_max_with_pad_masked():
     first[4, eos] = 70.0  # EOS may be picked (the row then stops drafting)
     first[5, V - 1] = 80.0  # the last type
     empty = torch.empty(0)
-    picks, scores, features = rowgemm._ext.draft_steps(
+    picks, scores, features = rowgemm._ext.decoder_steps(
         first, 1, pad, eos, -math.inf, list(range(7)), empty, 1.0, None, [], [], [], [], [], [], None, None, None,
         1e-5, empty, V, None, 1.0)
     want = first.clone()
@@ -241,7 +241,7 @@ def test_draft_steps_pick_as_torch_max_with_pad_masked():
     assert features is None  # one step: no pass ran
 
 
-@pytest.mark.skipif(not rowgemm.draft_steps_available(), reason="the C++ extension's draft steps are not built here")
+@pytest.mark.skipif(not rowgemm.decoder_steps_available(), reason="the C++ extension's draft steps are not built here")
 @pytest.mark.parametrize("bsz, argv", [(1, ()), (8, ()), (8, ("--draft-min-confidence", "0.5"))],
                          ids=["bs1", "bs8", "bs8-cut"])
 def test_native_draft_steps_are_the_python_steps(toy_bin, ar_checkpoint, bsz, argv):

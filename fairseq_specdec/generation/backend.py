@@ -172,7 +172,7 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     fused = "accept" not in off and native_step_unavailable(acceptance, unk_penalty) is None
     precision = "bfloat16" if "bf16" not in off and rowgemm.bfloat16_available() else "float32"
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off,
-                            steps="steps" not in off and rowgemm.draft_steps_available())
+                            steps="steps" not in off and rowgemm.decoder_steps_available())
     append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
     return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append,
                    reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

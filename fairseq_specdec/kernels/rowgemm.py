@@ -242,7 +242,7 @@ class DecoderPass:
     def draft_steps(self, first: Tensor, k: int, pad: int, eos: int, log_min_confidence: float, starts: List[int],
                     embed_weight: Tensor, embed_scale: float, positions: Optional[Tensor], keys, values, cross,
                     enc_pad: Optional[Tensor], final_norm=None, temperature: float = 1.0):
-        """A self-drafter's greedy steps in one call (``draft_steps`` in
+        """A self-drafter's greedy steps in one call (``decoder_steps`` in
         ``csrc/rowgemm.cpp``): from ``first`` (B x V, each row's log-probs
         of its newest token), up to ``k`` picks per row, each the best type
         but ``pad`` (``max`` with ``pad`` at -inf), fed back as the next
@@ -251,11 +251,11 @@ class DecoderPass:
         so far at least ``log_min_confidence`` and not ``eos``).  Returns
         ``(picks B x steps, their log-probs, the last pass's features or
         None)``; the caches' capacity must hold ``max(starts) + k``."""
-        if not draft_steps_available():
-            raise RuntimeError("rowgemm: this build of the extension has no draft_steps: rebuild it "
+        if not decoder_steps_available():
+            raise RuntimeError("rowgemm: this build of the extension has no decoder_steps: rebuild it "
                                "(python setup.py build_ext --inplace)")
         (norm_w, norm_b, eps), out = self._norm(final_norm), self.output
-        picks, scores, features = _ext.draft_steps(
+        picks, scores, features = _ext.decoder_steps(
             first, int(k), int(pad), int(eos), float(log_min_confidence), starts, embed_weight, float(embed_scale),
             positions, self.tensors, self.scalars, keys, values, [c[0] for c in cross], [c[1] for c in cross],
             enc_pad, norm_w, norm_b, eps, out.packed, out.out_features, out.bias, float(temperature),
@@ -270,9 +270,9 @@ class DecoderPass:
         return final_norm.weight, final_norm.bias, float(final_norm.eps)
 
 
-def draft_steps_available() -> bool:
+def decoder_steps_available() -> bool:
     """Whether the extension has the self-drafter's steps in one call (an older build may not)."""
-    return unavailable_reason() is None and hasattr(_ext, "draft_steps")
+    return unavailable_reason() is None and hasattr(_ext, "decoder_steps")
 
 
 def fused_encoder_layer_available() -> bool:

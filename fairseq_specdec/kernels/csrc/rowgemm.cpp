@@ -1134,7 +1134,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
 // writes the caches (their capacity must hold max(starts) + k positions).
 // Returns (picks B x steps int64, their log-probs B x steps float32, the
 // features of the last decoder_pass, or an undefined tensor if none ran).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_steps(
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decoder_steps(
     const torch::Tensor& first, int64_t k, int64_t pad, int64_t eos, double log_min_conf,
     const std::vector<int64_t>& starts, const torch::Tensor& embed_w, double embed_scale,
     const c10::optional<torch::Tensor>& pos_table, const std::vector<torch::Tensor>& layers,
@@ -1144,11 +1144,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_steps(
     const c10::optional<torch::Tensor>& final_ln_w, const c10::optional<torch::Tensor>& final_ln_b,
     double final_eps, const torch::Tensor& out_packed, int64_t vocab, const c10::optional<torch::Tensor>& out_bias,
     double temperature) {
-  TORCH_CHECK(k >= 1, "draft_steps: k must be at least 1, got ", k);
+  TORCH_CHECK(k >= 1, "decoder_steps: k must be at least 1, got ", k);
   TORCH_CHECK(first.dim() == 2 && first.scalar_type() == torch::kFloat && first.device().is_cpu(),
-              "draft_steps: first must be B x V float32 log-probs on the CPU");
+              "decoder_steps: first must be B x V float32 log-probs on the CPU");
   const int64_t B = first.size(0), V = first.size(1);
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "draft_steps: starts must hold one position per row (", B,
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "decoder_steps: starts must hold one position per row (", B,
               "), not ", starts.size());
   const float lo = static_cast<float>(log_min_conf);
   auto picks = torch::empty({B, k}, first.options().dtype(torch::kLong));
@@ -1182,7 +1182,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> draft_steps(
     auto out = decoder_pass(token, c10::nullopt, at, embed_w, embed_scale, pos_table, layers, scalars, keys, values,
                             cross_keys, cross_values, enc_pad, c10::nullopt, final_ln_w, final_ln_b, final_eps,
                             out_packed, vocab, out_bias, temperature);
-    TORCH_CHECK(std::get<0>(out).size(2) == V, "draft_steps: the pass's vocabulary (", std::get<0>(out).size(2),
+    TORCH_CHECK(std::get<0>(out).size(2) == V, "decoder_steps: the pass's vocabulary (", std::get<0>(out).size(2),
                 ") is not first's (", V, ")");
     lprobs = std::get<0>(out).select(1, 0).contiguous();
     features = std::get<1>(out);
@@ -1343,7 +1343,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("decoder_pass", &decoder_pass,
         "a whole verify pass of the decoder: inputs, every fused layer, final norm, projection, log-softmax");
-  m.def("draft_steps", &draft_steps,
+  m.def("decoder_steps", &decoder_steps,
         "a self-drafter's greedy steps: each row's best non-pad pick and its log-prob, fed through decoder_pass "
         "while any row stays sure");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
