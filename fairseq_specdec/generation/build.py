@@ -174,7 +174,7 @@ def _combined_drafter(ctx: DrafterContext) -> BuiltDrafter:
 
 #: --decoding self-draft's k and --draft-min-confidence when they are not
 #: given (chosen on the valid split: docs/self-draft.md)
-SELF_DRAFT_BLOCK_SIZE = 8
+SELF_DRAFT_BLOCK_SIZE = 16
 SELF_DRAFT_MIN_CONFIDENCE = 0.0
 
 

@@ -193,7 +193,7 @@ class DraftVerifyConfig(TranslationConfig):
             f"masked targets (default {DEFAULT_BLOCK_SIZE}); decoding default: the drafter's training k (a "
             "specdec_vsd drafter on a CPU where the rowgemm kernel runs: at most 3, where it measured "
             "fastest). "
-            "ngram: default 7, a cap (its confidence cut decides how much a row drafts); "
+            "ngram: default 7, a cap (its confidence cut decides how much a row drafts); self-draft: default 16; "
             "input-guided: caps the draft length (default: no cap); blockwise: caps the heads used "
             "(default: all); a specdec_vsd drafter drafts at most its --max-block tokens; loop-greedy "
             "never drafts and refuses the option"
