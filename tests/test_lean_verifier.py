@@ -276,10 +276,10 @@ class AtenInputsLeanVerifier(LeanVerifier):
         super().start()
         whole = self.whole_pass
         if whole is not None:
-            def strided(tokens, depths, starts, embed, *rest, **kwargs):
-                view = embed.t().contiguous().t()
-                assert not view.is_contiguous() and torch.equal(view, embed)
-                return whole(tokens, depths, starts, view, *rest, **kwargs)
+            def strided(tokens, depths, starts, *, embed_weight, **kwargs):
+                view = embed_weight.t().contiguous().t()
+                assert not view.is_contiguous() and torch.equal(view, embed_weight)
+                return whole(tokens, depths, starts, embed_weight=view, **kwargs)
 
             self.whole_pass = strided
 

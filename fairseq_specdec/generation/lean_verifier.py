@@ -429,14 +429,11 @@ class LeanVerifier(VerifyPass):
         width = max(lengths_host) + m
         self._prepare(state, width)
         if self.use_fused and all(lw.fused is not None for lw in self.layers):
-            pad = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
+            pad = self._enc_pad(bsz)
             ancestors = None if tree is None else tree.ancestors.contiguous()
             if self.whole_pass is not None and needed is None and not self.decoder.training:
-                dec = self.decoder
-                lprobs, self.last_features = self.whole_pass(
-                    tokens, depths, lengths_host, dec.embed_tokens.weight, dec.embed_scale, self.position_table,
-                    self.keys, self.values, self.cross, pad, ancestors, dec.layer_norm, self.temperature,
-                )
+                lprobs, self.last_features = self.whole_pass(tokens, depths, lengths_host, tree=ancestors,
+                                                             **self._whole_pass_memory(pad))
                 return lprobs
             x = self._embed(tokens, state.lengths, depths).float().contiguous()
             for i, lw in enumerate(self.layers):
@@ -464,6 +461,20 @@ class LeanVerifier(VerifyPass):
             x = self._layer(lw, i, x, mask, start, width, rows, positions)
         return self._finish(x, needed)
 
+    def _enc_pad(self, bsz: int) -> Optional[Tensor]:
+        """The encoder's padding as the fused layers read it (B x S), or None."""
+        return self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
+
+    def _whole_pass_memory(self, enc_pad: Optional[Tensor]) -> dict:
+        """What :attr:`whole_pass` reads besides the new tokens and their
+        positions (keyword arguments of its calls): the embedding and
+        position tables, the caches, the encoder's keys and values and
+        padding, the final norm and the temperature."""
+        dec = self.decoder
+        return dict(embed_weight=dec.embed_tokens.weight, embed_scale=dec.embed_scale, positions=self.position_table,
+                    keys=self.keys, values=self.values, cross=self.cross, enc_pad=enc_pad, final_norm=dec.layer_norm,
+                    temperature=self.temperature)
+
     @property
     def steps_in_one_call(self) -> bool:
         """Whether :meth:`draft_steps` can run: the whole pass is one call
@@ -484,13 +495,9 @@ class LeanVerifier(VerifyPass):
         fed picks' entries, as after those calls."""
         lengths_host = state.lengths_host
         self._prepare(state, max(lengths_host) + k)
-        bsz = len(lengths_host)
-        pad_mask = self.enc_mask.reshape(bsz, -1).contiguous() if self.enc_mask is not None else None
-        dec = self.decoder
         picks, scores, features = self.whole_pass.draft_steps(
-            first, k, pad, eos, log_min_confidence, lengths_host, dec.embed_tokens.weight, dec.embed_scale,
-            self.position_table, self.keys, self.values, self.cross, pad_mask, dec.layer_norm, self.temperature,
-        )
+            first, k, pad, eos, log_min_confidence, lengths_host,
+            **self._whole_pass_memory(self._enc_pad(len(lengths_host))))
         if features is not None:
             self.last_features = features
         return picks, scores

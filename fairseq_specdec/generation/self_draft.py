@@ -161,8 +161,19 @@ class SelfDrafter(Drafter, TimedParts):
             lprobs = lprobs.gather(1, slot.view(-1, 1, 1).expand(-1, 1, lprobs.size(-1)))[:, 0]
         if self.native_steps and self.copy.steps_in_one_call:
             drafts, scores = self.copy.draft_steps(lprobs, state, k, self.pad, self.eos, self.log_min_confidence)
-            self._base, self._steps = list(lengths), drafts.size(1)
-            return drafts, scores
+        else:
+            drafts, scores = self._steps_in_python(state, lprobs, k)
+        self._base, self._steps = list(lengths), drafts.size(1)
+        # the loop's draft policy cuts each row before its first unsure token
+        # (the same --draft-min-confidence): here it only ends the stepping
+        return drafts, scores
+
+    def _steps_in_python(self, state, lprobs: Tensor, k: int):
+        """The reference path of :meth:`LeanVerifier.draft_steps`: up to
+        ``k`` greedy steps of the copy from ``lprobs`` (B x V, each row's
+        newest token's), one pass per step.  Returns (drafts, their
+        log-probs), B x steps."""
+        lengths = state.lengths_host
         drafts, scores = [], []
         lengths_t = state.lengths
         going = None  # B bool: rows still drafting (confident so far, no EOS)
@@ -178,9 +189,6 @@ class SelfDrafter(Drafter, TimedParts):
             lengths_t = lengths_t + 1
             rows = _Rows(lengths_t, [n + step + 1 for n in lengths], state.encoder_out)
             lprobs = self.copy.forward(token.unsqueeze(1), rows)[:, -1]
-        self._base, self._steps = list(lengths), len(drafts)
-        # the loop's draft policy cuts each row before its first unsure token
-        # (the same --draft-min-confidence): here it only ends the stepping
         return torch.stack(drafts, 1), torch.stack(scores, 1)
 
     def update(self, state, feedback) -> None:

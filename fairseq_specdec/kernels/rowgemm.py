@@ -250,10 +250,8 @@ class DecoderPass:
         arguments are :meth:`__call__`'s) while any row is sure (every pick
         so far at least ``log_min_confidence`` and not ``eos``).  Returns
         ``(picks B x steps, their log-probs, the last pass's features or
-        None)``; the caches' capacity must hold ``max(starts) + k``."""
-        if not decoder_steps_available():
-            raise RuntimeError("rowgemm: this build of the extension has no decoder_steps: rebuild it "
-                               "(python setup.py build_ext --inplace)")
+        None)``; the caches' capacity must hold ``max(starts) + k``.  Only
+        where :func:`decoder_steps_available` (the backend's ``steps`` part)."""
         (norm_w, norm_b, eps), out = self._norm(final_norm), self.output
         picks, scores, features = _ext.decoder_steps(
             first, int(k), int(pad), int(eos), float(log_min_confidence), starts, embed_weight, float(embed_scale),

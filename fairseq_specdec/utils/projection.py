@@ -42,6 +42,18 @@ def inference_scope():
         _SCOPE[0] -= 1
 
 
+def _looked_in_scope(epoch) -> bool:
+    """Whether a look taken at ``epoch`` (:func:`_scope_epoch`) still holds:
+    inside the inference scope it was taken in."""
+    return _SCOPE[0] > 0 and epoch == _SCOPE[1]
+
+
+def _scope_epoch():
+    """The epoch of a look taken now: the current scope's, None outside one
+    (a look there holds for that call only)."""
+    return _SCOPE[1] if _SCOPE[0] > 0 else None
+
+
 def _sampled_values(weight: Tensor) -> Tensor:
     """16 values of ``weight``, evenly spaced over its elements: a view of its
     own storage when it is contiguous (it then follows in-place changes)."""
@@ -119,9 +131,9 @@ class SharedWatch:
     def look(self, weights: Callable[[], Sequence[Tensor]]) -> int:
         """The weights' :attr:`generation`, after a look at ``weights()``
         unless one was taken in this scope already."""
-        if not (_SCOPE[0] > 0 and self._epoch == _SCOPE[1]):
+        if not _looked_in_scope(self._epoch):
             self.watch.changed(weights())
-            self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
+            self._epoch = _scope_epoch()
         return self.watch.generation
 
 
@@ -167,16 +179,16 @@ class DerivedWeight:
     def get_with(self, tensors: Callable[[], Sequence[Optional[Tensor]]]):
         """:meth:`get` of the tensors ``tensors()`` lists, called only where
         a check is due (not again within an inference scope)."""
-        if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
+        if _looked_in_scope(self._epoch):
             return self._derived
         return self.get(*tensors())
 
     def get(self, *tensors: Optional[Tensor]):
-        if _SCOPE[0] > 0 and self._epoch == _SCOPE[1]:
+        if _looked_in_scope(self._epoch):
             return self._derived
         if self._watch.changed([t for t in tensors if t is not None]):
             self._derived = self._build(*(None if t is None else t.detach() for t in tensors))
-        self._epoch = _SCOPE[1] if _SCOPE[0] > 0 else None
+        self._epoch = _scope_epoch()
         return self._derived
 
 
