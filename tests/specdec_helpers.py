@@ -488,8 +488,8 @@ def make_generator(model, drafter, tgt_dict, k, acceptance=None, backend="auto",
     settings = DecodeSettings(block_size=k, **opts)
     resolved = resolve_backend(backend, model, acceptance, settings.temperature, settings.unk_penalty,
                                off=frozenset(off), static=static)
-    if verifier is not None:
-        resolved = dataclasses.replace(resolved, verifier=verifier)
+    if verifier is not None:  # the screened greedy steps run the backend's own verify pass: none with another
+        resolved = dataclasses.replace(resolved, verifier=verifier, screen=False)
     return SpeculativeGenerator(resolved, drafter, acceptance, tgt_dict, settings, stats)
 
 

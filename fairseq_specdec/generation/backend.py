@@ -43,10 +43,12 @@ import torch
 
 from ..kernels import applies_to, check_parts, rowgemm, unavailable_reason
 from .accept_step import AcceptanceStep, FairseqRules, NativeStep, TensorStep, native_step_unavailable
+from .acceptance import StrictAcceptance
 from .drafters import NO_KERNELS, Drafter, DraftKernels, StaticDrafter
 from .iteration import EagerRunner
 from .iteration_graphs import IterationGraphs
 from .lean_verifier import LeanVerifier, lean_unsupported_reason
+from .screened_greedy import ScreenedGreedy
 from .static_verifier import StaticVerifier
 from .verifier import CachedVerifier
 from .verify_pass import VerifyPass
@@ -80,6 +82,9 @@ class Backend:
     iteration: Optional[str] = None
     #: the loop's commit as one native call (``rowgemm.append_rows``), or None: tensor operations
     append: Optional[Callable] = None
+    #: greedy steps at batch 1 without the float32 vocabulary product
+    #: (:mod:`~fairseq_specdec.generation.screened_greedy`; strict rule, native step)
+    screen: bool = False
     reasons: Tuple[str, ...] = ()
     off: FrozenSet[str] = field(default_factory=frozenset)
 
@@ -89,6 +94,13 @@ class Backend:
         what it cannot compute, ``--unkpen`` included)."""
         tensors = TensorStep(rule, rules)
         return NativeStep(tensors) if self.fused_accept else tensors
+
+    def screened_greedy(self, rule, rules: FairseqRules) -> Optional[ScreenedGreedy]:
+        """The screened greedy steps for acceptance ``rule`` (strict only),
+        or None where the backend has none."""
+        if not self.screen or not isinstance(rule, StrictAcceptance) or rules.unk_penalty != 0:
+            return None
+        return ScreenedGreedy(self.verifier, rules)
 
     def runners(self, drafter: Drafter, trees: bool) -> tuple:
         """``(eager, whole)``: the runner of every iteration, and the runner
@@ -106,6 +118,8 @@ class Backend:
         parts = [f"verify pass {self.verifier.describe()}",
                  f"acceptance step {'native' if self.fused_accept else 'torch'}",
                  f"commit {'native' if self.append is not None else 'torch'}"]
+        if self.screen:
+            parts.append("screened greedy steps at batch 1")
         if self.drafting.products:
             parts.append(f"drafters native ({self.drafting.precision} weights)")
         if self.iteration is not None:
@@ -174,5 +188,7 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off,
                             steps="steps" not in off and rowgemm.decoder_steps_available())
     append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
-    return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append,
+    screen = fused and isinstance(acceptance, StrictAcceptance) and "screen" not in off and rowgemm.screen_available()
+    verifier.screening = screen
+    return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append, screen=screen,
                    reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

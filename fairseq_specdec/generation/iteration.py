@@ -22,6 +22,7 @@ from torch import Tensor
 from .accept_step import AcceptanceStep, StepResult
 from .draft_policy import DraftLengthPolicy
 from .drafters import Drafter
+from .screened_greedy import ScreenedGreedy
 from .tree import DraftTree, chain_tree
 from .verify_pass import VerifyPass
 
@@ -34,8 +35,13 @@ class Iteration:
     deepest draft (``--block-size``)."""
 
     def __init__(self, verifier: VerifyPass, drafter: Drafter, step: AcceptanceStep, policy: DraftLengthPolicy,
-                 block_size: int, tree_nodes: int, pad: int, eos: int):
+                 block_size: int, tree_nodes: int, pad: int, eos: int, screened: Optional[ScreenedGreedy] = None):
+        """``screened``: the screened greedy steps of the backend, or None
+        (:mod:`~fairseq_specdec.generation.screened_greedy`: an iteration with
+        no drafts where they apply; every other iteration settles their
+        deferred scores first)."""
         self.verifier, self.drafter, self.step, self.policy = verifier, drafter, step, policy
+        self.screened = screened
         self.block_size, self.tree_nodes = block_size, tree_nodes
         self.pad, self.eos = pad, eos
         #: the empty draft of each batch size and device (read only: nothing changes a chain's tokens)
@@ -64,18 +70,26 @@ class Iteration:
         :class:`~fairseq_specdec.generation.iteration_graphs.StaticState`."""
         drafts, drafted = self._drafts(state, k, host_checks)
         tokens = state.last_tokens()
-        if drafts.size > 0:
-            tokens = torch.cat([tokens, drafts.tokens], dim=1)
-        if not drafts.chain:
-            lprobs = self.verifier.forward(tokens, state, tree=drafts)
+        screened = self.screened
+        out = None
+        if screened is not None and drafts.size == 0 and screened.applies(state, max_len, host_checks):
+            out, _, lprobs = screened(state, tokens)  # lprobs: None where the pick is certified
         else:
-            # in a ragged batch the slots after a row's last draft are not projected (nothing reads them)
-            needed = None
-            if drafted and state.size > 1 and min(drafted) < drafts.size:
-                counts = torch.tensor(drafted, device=state.device)
-                needed = torch.arange(drafts.size + 1, device=state.device).unsqueeze(0) <= counts.unsqueeze(1)
-            lprobs = self.verifier.forward(tokens, state, needed)
-        out = self.step(state, lprobs, drafts, drafted, max_len, host_checks, always_mask)
+            if screened is not None:
+                screened.settle(state)  # the step below reads the running scores
+            if drafts.size > 0:
+                tokens = torch.cat([tokens, drafts.tokens], dim=1)
+            if not drafts.chain:
+                lprobs = self.verifier.forward(tokens, state, tree=drafts)
+            else:
+                # in a ragged batch the slots after a row's last draft are not projected (nothing reads them)
+                needed = None
+                if drafted and state.size > 1 and min(drafted) < drafts.size:
+                    counts = torch.tensor(drafted, device=state.device)
+                    needed = torch.arange(drafts.size + 1, device=state.device).unsqueeze(0) <= counts.unsqueeze(1)
+                lprobs = self.verifier.forward(tokens, state, needed)
+        if out is None:
+            out = self.step(state, lprobs, drafts, drafted, max_len, host_checks, always_mask)
         features = self.verifier.last_features
         if features is not None:  # along each row's appended tokens (a chain's are its slots)
             features = drafts.along(features, out.path)

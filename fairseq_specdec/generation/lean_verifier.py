@@ -288,6 +288,12 @@ class LeanVerifier(VerifyPass):
         #: the whole pass of a batch in one call of the extension where every
         #: layer is fused and the rest fits (made with the layers, in start)
         self.whole_pass: Optional[rowgemm.DecoderPass] = None
+        #: whether :meth:`start` makes :attr:`screen` (the backend's ``screen`` part)
+        self.screening = False
+        #: the greedy pick of one row without the float32 vocabulary product
+        #: (:class:`~fairseq_specdec.kernels.rowgemm.GreedyScreen`, made in
+        #: :meth:`start` where ``screening`` and the whole pass is one call), or None
+        self.screen: Optional[rowgemm.GreedyScreen] = None
         dec = self.decoder
         #: the encoder as fused C++ layers, else None: fairseq's modules
         self.lean_encoder: Optional[LeanEncoder] = None
@@ -329,6 +335,8 @@ class LeanVerifier(VerifyPass):
             self.project_out = (make_linear(out_dim.weight, out_dim.bias, self.gemm, precision=self.precision)
                                 if out_dim is not None else None)
             self.whole_pass = rowgemm.DecoderPass([lw.fused for lw in self.layers], self.output) if self.one_call else None
+            self.screen = (rowgemm.GreedyScreen(self.output, self.decoder.output_projection.weight)
+                           if self.screening and self.whole_pass is not None and self.precision == "float32" else None)
             self._built = generation
         self.keys, self.values = [], []
         self.cross = None
@@ -341,6 +349,9 @@ class LeanVerifier(VerifyPass):
         projects some slots only, or one with the native layers off)."""
         for part in super().timed_parts(k):
             yield (*part[:3], False) if self.one_call and part[1] == "logits" else part
+        if self.screening:
+            yield self, "final_states", "verifier pass (1 token, screened pick)", False
+            yield self, "log_probs", "of which: verifier vocabulary projection (deferred or not certified)", False
 
     @property
     def one_call(self) -> bool:
@@ -474,6 +485,30 @@ class LeanVerifier(VerifyPass):
         return dict(embed_weight=dec.embed_tokens.weight, embed_scale=dec.embed_scale, positions=self.position_table,
                     keys=self.keys, values=self.values, cross=self.cross, enc_pad=enc_pad, final_norm=dec.layer_norm,
                     temperature=self.temperature)
+
+    @property
+    def screens(self) -> bool:
+        """Whether :meth:`final_states` and :attr:`screen` can run: the
+        screen is made (see :attr:`screen`), the fused layers are in use and
+        the decoder is not training."""
+        return self.screen is not None and self.use_fused and not self.decoder.training
+
+    def final_states(self, tokens: Tensor, state) -> Tensor:
+        """The pass of :meth:`forward` over a chain (no ``needed``, no
+        tree) up to the final states (B x m x C, also ``last_features``),
+        without the vocabulary projection: the caches are written as by
+        :meth:`forward`, and :meth:`log_probs` of the states gives bitwise
+        its log-probs.  Where :attr:`screens`."""
+        lengths_host = state.lengths_host
+        self._prepare(state, max(lengths_host) + tokens.size(1))
+        _, self.last_features = self.whole_pass(tokens, None, lengths_host, tree=None, project=False,
+                                                **self._whole_pass_memory(self._enc_pad(len(lengths_host))))
+        return self.last_features
+
+    def log_probs(self, features: Tensor) -> Tensor:
+        """:meth:`forward`'s log-probs of final states (... x C) from
+        :meth:`final_states`, of one pass or of several stacked."""
+        return self.whole_pass.log_probs(features, self.temperature)
 
     @property
     def steps_in_one_call(self) -> bool:

@@ -144,9 +144,11 @@ class SpeculativeGenerator:
                              settings.unk_penalty)
         #: the backend's strategies: steps 2-3 after the pass, and who runs an iteration
         self.step = backend.acceptance_step(acceptance, rules)
+        #: greedy steps without the float32 vocabulary product, where the backend has them (else None)
+        self.screened = backend.screened_greedy(acceptance, rules)
         self.eager, self.iteration_graphs = backend.runners(drafter, trees=self.tree_nodes > 0)
         self.iteration = Iteration(self.verifier, drafter, self.step, self.policy, block_size, self.tree_nodes,
-                                   self.pad, self.eos)
+                                   self.pad, self.eos, self.screened)
         self.max_len = self.verifier.model.max_decoder_positions()
         check_min_len(self.min_len, self.max_len_a, self.max_len_b, self.max_len)
         self.stats = stats if stats is not None else SpecDecStats()
@@ -236,6 +238,8 @@ class SpeculativeGenerator:
 
     def _finalize(self, state: DecodingState, i: int) -> List[Dict]:
         """Row i's hypothesis in SequenceGenerator's format."""
+        if self.screened is not None:
+            self.screened.settle(state)  # deferred scores only ever belong to a state's last row
         length = state.lengths_host[i]  # the EOS included
         score = state.cum[i].clone()
         if self.normalize_scores:

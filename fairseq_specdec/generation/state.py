@@ -99,6 +99,11 @@ class DecodingState:
         #: the backend's native commit, or None (tensor operations)
         self._append = append
         self._newest: Optional[Tensor] = None
+        #: row 0's screened steps whose scores are deferred, or None
+        #: (:class:`~fairseq_specdec.generation.screened_greedy.DeferredScores`:
+        #: while it holds steps, their positional scores are placeholders
+        #: and ``cum`` lacks them)
+        self.deferred = None
 
     def attach(self, verifier, drafter) -> None:
         """The verify pass (``reorder_encoder_out(encoder_out, order)``, then

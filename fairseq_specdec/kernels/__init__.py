@@ -40,6 +40,8 @@ PARTS = {
     "bf16": "specdec_vsd drafter weights packed in bfloat16",
     "pick": "a drafter's shortlist projection, log-softmax and best type as one call",
     "block": "the specdec_vsd drafter's input rows and block layers as calls of the kernel",
+    "screen": "at batch 1, a step without drafts picks its greedy token from the int8 copy of the vocabulary "
+              "projection and exact float32 candidates, its scores deferred (strict verification)",
     "steps": "the self-drafter's draft steps (each row's pick, the confidence test, the next pass) as one call",
     "graphs": "on a CUDA device: the verify pass with static shapes replayed as CUDA graphs",
     "iteration": "on a CUDA device: whole iterations of a batch of one sentence as one CUDA graph",

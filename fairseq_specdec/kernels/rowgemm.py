@@ -224,20 +224,35 @@ class DecoderPass:
 
     def __call__(self, tokens: Tensor, depths: Optional[Tensor], starts: List[int], embed_weight: Tensor,
                  embed_scale: float, positions: Optional[Tensor], keys, values, cross, enc_pad: Optional[Tensor],
-                 tree: Optional[Tensor], final_norm=None, temperature: float = 1.0):
+                 tree: Optional[Tensor], final_norm=None, temperature: float = 1.0, project: bool = True):
         """``(log-probs B x m x V, features B x m x C)`` of the new
         ``tokens`` (B x m; ``depths``: a draft tree's B x m node depths, or
         None for a chain), row r's first at position ``starts[r]`` (host
         ints: the rows' lengths); ``keys``/``values``: each layer's cache (written in place),
         ``cross``: each layer's encoder keys and values; ``final_norm``: the
         decoder's final ``LayerNorm`` or None; ``temperature`` divides the
-        logits (unless 1)."""
+        logits (unless 1).  ``project`` False: the pass stops at the
+        features (the log-probs are None); :meth:`log_probs` of them gives
+        bitwise what it would have returned."""
         (norm_w, norm_b, eps), out = self._norm(final_norm), self.output
-        return _ext.decoder_pass(
+        lprobs, features = _ext.decoder_pass(
             tokens, depths, starts, embed_weight, float(embed_scale), positions, self.tensors, self.scalars,
             keys, values, [c[0] for c in cross], [c[1] for c in cross], enc_pad, tree, norm_w, norm_b, eps,
-            out.packed, out.out_features, out.bias, float(temperature),
+            out.packed, out.out_features, out.bias, float(temperature), bool(project),
         )
+        return (lprobs if project else None), features
+
+    def log_probs(self, features: Tensor, temperature: float = 1.0) -> Tensor:
+        """The pass's log-probs of its ``features`` (... x C): the vocabulary
+        projection, the temperature and the float32 log-softmax, the same
+        operations as inside the pass (a row's values depend on that row
+        alone, so rows of several passes projected together are bitwise
+        those of their passes)."""
+        out = self.output
+        logits = _ext.linear(features, out.packed, out.out_features, out.bias, 0)
+        if temperature != 1.0:
+            logits = logits.div_(temperature)
+        return torch.log_softmax(logits, -1, dtype=torch.float32)
 
     def draft_steps(self, first: Tensor, k: int, pad: int, eos: int, log_min_confidence: float, starts: List[int],
                     embed_weight: Tensor, embed_scale: float, positions: Optional[Tensor], keys, values, cross,
@@ -266,6 +281,48 @@ class DecoderPass:
         if final_norm is None:
             return None, None, 1e-5
         return final_norm.weight, final_norm.bias, float(final_norm.eps)
+
+
+def screen_available() -> bool:
+    """Whether the extension has the screened greedy pick (an older build may not)."""
+    return unavailable_reason() is None and hasattr(_ext, "screen_greedy") and int8_available()
+
+
+class GreedyScreen:
+    """One row's greedy pick over a vocabulary projection without reading
+    its float32 weights (``screen_greedy`` in ``csrc/rowgemm.cpp``, which
+    gives the bound): the projection's int8 copy estimates every column
+    with a bound on its error against the float32 panels of ``output``, and
+    only the columns whose bound reaches the best estimate's are summed
+    exactly, from those panels.  The pick is *certified*: the column whose
+    float32 value (the one the pass computes) is the largest by a margin
+    that no float32 rounding of the log-softmax, or of a running score up to
+    ``cum_bound`` in magnitude, can close; else :meth:`__call__` returns -1.
+
+    ``output``: the pass's float32 :class:`PackedLinear`; ``weight``: its
+    float32 weight (V x C), read once here for the int8 copy, its scales
+    and its rows' absolute sums.  A snapshot, like :class:`PackedLinear`."""
+
+    def __init__(self, output: "PackedLinear", weight: Tensor):
+        if output.precision != "float32":
+            raise ValueError(f"the screen certifies picks of float32 panels, not {output.precision} ones")
+        weight = weight.detach().float().contiguous()
+        self.output = output
+        self.int8 = _ext.pack_i8(weight)
+        # pack_i8's scales, and each row's absolute sum rounded up (the bound must not be too small)
+        self.scales = weight.abs().max(1).values.div(127.0).clamp_min(1e-12)
+        self.l1 = weight.double().abs().sum(1).mul(1 + 2 ** -20).float()
+
+    def __call__(self, features: Tensor, pad: int, temperature: float, cum_bound: float) -> Tuple[int, float]:
+        """``(column or -1, lp_bound)`` for one row of final ``features``
+        (C floats): the certified greedy column (never ``pad``) and a bound
+        on the magnitude of its log-prob (what the running score may grow
+        by); -1 where no pick is certified."""
+        out = self.output
+        column, _, lp_bound = _ext.screen_greedy(features, self.int8, out.packed, out.out_features, out.bias,
+                                                 self.scales, self.l1, int(pad), float(temperature),
+                                                 float(cum_bound))
+        return column, lp_bound
 
 
 def decoder_steps_available() -> bool:

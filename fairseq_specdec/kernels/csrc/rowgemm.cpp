@@ -1095,7 +1095,8 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
     const std::vector<torch::Tensor>& cross_keys, const std::vector<torch::Tensor>& cross_values,
     const c10::optional<torch::Tensor>& enc_pad, const c10::optional<torch::Tensor>& tree,
     const c10::optional<torch::Tensor>& final_ln_w, const c10::optional<torch::Tensor>& final_ln_b, double final_eps,
-    const torch::Tensor& out_packed, int64_t vocab, const c10::optional<torch::Tensor>& out_bias, double temperature) {
+    const torch::Tensor& out_packed, int64_t vocab, const c10::optional<torch::Tensor>& out_bias, double temperature,
+    bool project) {
   constexpr size_t kTensors = 18, kScalars = 6;
   const size_t L = keys.size();
   TORCH_CHECK(layers.size() == L * kTensors && scalars.size() == L * kScalars && values.size() == L &&
@@ -1117,9 +1118,190 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
   }
   if (final_ln_w.has_value() && final_ln_w->defined())
     x = at::layer_norm(x, {x.size(-1)}, *final_ln_w, *final_ln_b, final_eps);
+  if (!project) return {torch::Tensor(), x};
   torch::Tensor logits = linear(x, out_packed, vocab, out_bias, 0);
   if (temperature != 1.0) logits = logits.div_(temperature);
   return {at::log_softmax(logits, -1, torch::kFloat), x};
+}
+
+// screen_greedy's first sweep: e[n] = alpha s[n] + beta l1[n] + rel (|a[n]| + |b[n]|) for every
+// column, tau = max(a - e), top = max(a + e), 8 columns a vector (the float32 operations of the
+// scalar tail, lane by lane)
+#ifdef ROWGEMM_X86
+__attribute__((target("avx2,fma"))) static void screen_bounds(const float* a, const float* sc, const float* l1,
+                                                       const float* b, int64_t V, float alpha, float beta, float rel,
+                                                       float* e, float* tau_out, float* top_out) {
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta), vr = _mm256_set1_ps(rel);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 tau = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), top = tau;
+  int64_t n = 0;
+  for (; n + kLanes <= V; n += kLanes) {
+    const __m256 an = _mm256_loadu_ps(a + n);
+    __m256 mag = _mm256_andnot_ps(sign, an);
+    if (b != nullptr) mag = _mm256_add_ps(mag, _mm256_andnot_ps(sign, _mm256_loadu_ps(b + n)));
+    const __m256 en = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(va, _mm256_loadu_ps(sc + n)),
+                                                  _mm256_mul_ps(vb, _mm256_loadu_ps(l1 + n))),
+                                    _mm256_mul_ps(vr, mag));
+    _mm256_storeu_ps(e + n, en);
+    tau = _mm256_max_ps(_mm256_sub_ps(an, en), tau);
+    top = _mm256_max_ps(_mm256_add_ps(an, en), top);
+  }
+  alignas(32) float lanes[2][kLanes];
+  _mm256_store_ps(lanes[0], tau);
+  _mm256_store_ps(lanes[1], top);
+  float t = lanes[0][0], u = lanes[1][0];
+  for (int i = 1; i < kLanes; ++i) t = std::max(t, lanes[0][i]), u = std::max(u, lanes[1][i]);
+  for (; n < V; ++n) {
+    const float mag = std::fabs(a[n]) + (b != nullptr ? std::fabs(b[n]) : 0.0f);
+    e[n] = (alpha * sc[n] + beta * l1[n]) + rel * mag;
+    t = std::max(t, a[n] - e[n]);
+    u = std::max(u, a[n] + e[n]);
+  }
+  *tau_out = t;
+  *top_out = u;
+}
+
+// screen_greedy's second sweep: the columns with a[n] + e[n] >= tau (in order) into ``out``, and
+// the largest a[n] + e[n] of the others (NaN, pad's, is neither)
+__attribute__((target("avx2,fma"))) static float screen_candidates(const float* a, const float* e, int64_t V,
+                                                                   float tau, std::vector<int64_t>* out) {
+  const __m256 vt = _mm256_set1_ps(tau);
+  __m256 rest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  float r = -std::numeric_limits<float>::infinity();
+  int64_t n = 0;
+  for (; n + kLanes <= V; n += kLanes) {
+    const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(a + n), _mm256_loadu_ps(e + n));
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(hi, vt, _CMP_GE_OQ));
+    if (mask == 0) {
+      rest = _mm256_max_ps(hi, rest);
+      continue;
+    }
+    for (int i = 0; i < kLanes; ++i) {
+      const float h = a[n + i] + e[n + i];
+      if (mask & (1 << i)) out->push_back(n + i);
+      else r = std::max(r, h);
+    }
+  }
+  for (; n < V; ++n) {
+    const float h = a[n] + e[n];
+    if (h >= tau) out->push_back(n);
+    else r = std::max(r, h);
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, rest);
+  for (int i = 0; i < kLanes; ++i) r = std::max(r, lanes[i]);
+  return r;
+}
+#endif
+
+// The greedy pick of one row of final states x (K floats) over the
+// vocabulary without the float32 product of every column (GreedyScreen in
+// rowgemm.py): the int8 copy of the projection (w8, pack_i8) gives every
+// column an estimate a[n] and a bound e[n] on |t[n] - a[n]|, t[n] the value
+// the float32 panels (w32) give (the products' contract).  With
+// Q = the int8 kernel's 16-bit scale, sx = max|x| / Q, s[n] the row's int8
+// scale, l1[n] = sum_k |W[n][k]| (rounded up):
+//   e[n] = (s[n] / 2 |x|_1 + (sx / 2) (l1[n] + K s[n] / 2)) (1 + 2^-10)
+//          + (K + 8) 2^-23 (max|x| l1[n] + |a[n]| + |b[n]|)
+// (the int8 weight's and the 16-bit input's rounding, then every float32
+// rounding of both products, doubled).  Every column but ``pad`` with
+// a[n] + e[n] >= tau = max over them of a[n] - e[n] gets its exact t[n]
+// (its panel column summed in order by fused multiply-adds from 0, the bias
+// added last: bitwise the panels' value); every other column is below tau,
+// and tau is at most the best exact value.  The pick is certified when the
+// best exact value exceeds every other candidate's and every other
+// column's bound a[n] + e[n] by more than 2^-14 (16 + |t| / T + (max(a + e)
+// / T + log V) + cum_bound) times the temperature T: then no float32
+// rounding of the log-softmax or of a running score up to ``cum_bound`` in
+// magnitude can tie it with another column or put one above it.  Returns
+// (the column, or -1 where not certified or x is not finite; its exact
+// value t; lp_bound = max(a + e) / T + log V - t / T, at least the
+// magnitude of the pick's log-prob).
+std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, const torch::Tensor& w8,
+                                                  const torch::Tensor& w32, int64_t vocab,
+                                                  const c10::optional<torch::Tensor>& bias, const torch::Tensor& scales,
+                                                  const torch::Tensor& l1, int64_t pad, double temperature,
+                                                  double cum_bound) {
+#ifdef ROWGEMM_X86
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 1, "screen_greedy: x must be one float32 row");
+  const int64_t K = x.size(0), V = vocab;
+  TORCH_CHECK(w8.scalar_type() == torch::kChar && w8.size(1) == K + kScaleRows, "screen_greedy: w8 is not int8 panels of K ", K);
+  check_packed(w32, V);
+  check_packed(w8, V);
+  TORCH_CHECK(w32.scalar_type() == torch::kFloat, "screen_greedy: w32 must be float32 panels");
+  TORCH_CHECK(w32.size(1) == K, "screen_greedy: w32 has K ", w32.size(1), ", x has ", K);
+  TORCH_CHECK(scales.numel() == V && l1.numel() == V, "screen_greedy: scales and l1 need one value per column");
+  TORCH_CHECK(pad >= 0 && pad < V, "screen_greedy: pad ", pad, " is not a column of ", V);
+  const float* xs = x.data_ptr<float>();
+  float amax = 0.0f;
+  double xl1 = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    if (!std::isfinite(xs[k])) return {-1, 0.0, 0.0};
+    amax = std::max(amax, std::fabs(xs[k]));
+    xl1 += std::fabs(xs[k]);
+  }
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() >= V, "screen_greedy: the bias has fewer than ", V, " values");
+    b = bias->data_ptr<float>();
+  }
+  std::vector<float> a(static_cast<size_t>(w8.size(0) * kLanes));
+  linear_raw_i8(xs, 1, K, w8.data_ptr<int8_t>(), w8.size(0), b, 0, a.data(), V, V);
+  const int64_t qmax = std::min<int64_t>(32767, (int64_t{2147483647}) / (127 * std::max<int64_t>(K, 1)));
+  const double sx = static_cast<double>(amax) / static_cast<double>(qmax);
+  // e[n] = alpha s[n] + beta l1[n] + rel (|a[n]| + |b[n]|), the formula above regrouped, its float32
+  // evaluation covered by the factor (1 + 2^-10)
+  const double grow = 1.0 + std::ldexp(1.0, -10), rel = static_cast<double>(K + 8) * std::ldexp(1.0, -23);
+  const float alpha = static_cast<float>((xl1 / 2 + sx * K / 4) * grow * grow);
+  const float beta = static_cast<float>((sx / 2 * grow + rel * amax) * grow);
+  const float relf = static_cast<float>(rel * grow);
+  const float* sc = scales.data_ptr<float>();
+  const float* l1p = l1.data_ptr<float>();
+  std::vector<float> e(static_cast<size_t>(V));
+  // pad is never a candidate: a[pad] = -inf makes e[pad] = inf, a - e = -inf and a + e = NaN, which
+  // _mm256_max_ps(x, acc) and std::max(acc, x) pass over (they return acc when x is NaN) and no
+  // comparison admits
+  a[pad] = -std::numeric_limits<float>::infinity();
+  float tau, top;
+  screen_bounds(a.data(), sc, l1p, b, V, alpha, beta, relf, e.data(), &tau, &top);
+  if (!std::isfinite(tau) || !std::isfinite(top)) return {-1, 0.0, 0.0};
+  // the candidates' exact values: each candidate's panel through the kernel's own one-row block
+  // (its 8 columns, bitwise the products' values); ``rest``: the largest bound of the others
+  const float* w = w32.data_ptr<float>();
+  float rest = -std::numeric_limits<float>::infinity();
+  int64_t best = -1, done_panel = -1;
+  float tbest = 0.0f, tsecond = -std::numeric_limits<float>::infinity();
+  alignas(32) float panel_out[kLanes];
+  std::vector<int64_t> candidates;
+  rest = screen_candidates(a.data(), e.data(), V, tau, &candidates);
+  for (const int64_t n : candidates) {
+    const int64_t p = n / kLanes;
+    if (p != done_panel) {
+      rows_block<1, float>(1, xs, K, w + p * K * kLanes, K * kLanes, b != nullptr ? b + p * kLanes : nullptr, 0,
+                           panel_out, kLanes, kLanes, nullptr);
+      done_panel = p;
+    }
+    const float t = panel_out[n % kLanes];
+    if (!std::isfinite(t)) return {-1, 0.0, 0.0};
+    if (best < 0 || t > tbest) {
+      if (best >= 0) tsecond = tbest;
+      best = n;
+      tbest = t;
+    } else {
+      tsecond = std::max(tsecond, t);
+    }
+  }
+  if (best < 0) return {-1, 0.0, 0.0};
+  const double T = temperature, lp_bound = top / T + std::log(static_cast<double>(V)) - tbest / T;
+  const double margin = std::ldexp(1.0, -14) * (16.0 + std::fabs(tbest) / T + std::fabs(lp_bound) + std::fabs(top) / T +
+                                                 cum_bound) * T;
+  const double gap = static_cast<double>(tbest) - std::max<double>(tsecond, rest);
+  if (!(gap > margin)) return {-1, static_cast<double>(tbest), lp_bound};
+  return {best, static_cast<double>(tbest), lp_bound};
+#else
+  TORCH_CHECK(false, "rowgemm: built without x86-64 support");
+#endif
 }
 
 // A self-drafter's greedy steps in one call (SelfDrafter.propose's native
@@ -1181,7 +1363,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decoder_steps(
     for (int64_t b = 0; b < B; ++b) at[b] = starts[b] + s + 1;
     auto out = decoder_pass(token, c10::nullopt, at, embed_w, embed_scale, pos_table, layers, scalars, keys, values,
                             cross_keys, cross_values, enc_pad, c10::nullopt, final_ln_w, final_ln_b, final_eps,
-                            out_packed, vocab, out_bias, temperature);
+                            out_packed, vocab, out_bias, temperature, true);
     TORCH_CHECK(std::get<0>(out).size(2) == V, "decoder_steps: the pass's vocabulary (", std::get<0>(out).size(2),
                 ") is not first's (", V, ")");
     lprobs = std::get<0>(out).select(1, 0).contiguous();
@@ -1343,6 +1525,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("decoder_pass", &decoder_pass,
         "a whole verify pass of the decoder: inputs, every fused layer, final norm, projection, log-softmax");
+  m.def("screen_greedy", &screen_greedy,
+        "one row's certified greedy column from the int8 copy of the projection and exact float32 candidates, or -1");
   m.def("decoder_steps", &decoder_steps,
         "a self-drafter's greedy steps: each row's best non-pad pick and its log-prob, fed through decoder_pass "
         "while any row stays sure");

@@ -1,0 +1,157 @@
+"""Screened greedy steps (``fairseq_specdec/generation/screened_greedy.py``):
+the pick from the int8 copy of the vocabulary projection and exact float32
+candidates, the scores deferred.
+
+* the screen's pick, where it certifies one, is the largest float32 value
+  of the kernel's product (pad excluded); near ties, exact ties, a pad
+  column above all, NaN inputs and a huge running score make it refuse;
+* decodings with it are bitwise those without it (``FAIRSEQ_SPECDEC_OFF=screen``):
+  tokens, positional scores and scores, also where picks are refused in the
+  middle of a sentence and with a temperature, the length rules and
+  ``--min-len``; and equal fairseq's ``--beam 1``;
+* the backend builds it for strict verification with the native step only.
+"""
+import math
+
+import pytest
+import torch
+
+import specdec_helpers as H
+from specdec_helpers import assert_identical, run_generator
+import fairseq_specdec  # noqa: F401
+from fairseq_specdec.generation import NoDrafter, StrictAcceptance, TopBetaAcceptance, resolve_backend
+from fairseq_specdec.kernels import rowgemm
+
+pytestmark = pytest.mark.skipif(not rowgemm.screen_available(), reason="the extension has no screened pick here")
+
+
+def _screen(V=1003, K=96, seed=0, scale=0.1):
+    torch.manual_seed(seed)
+    w = torch.randn(V, K) * scale
+    b = torch.randn(V) * scale
+    out = rowgemm.PackedLinear(w, b)
+    return w, b, out, rowgemm.GreedyScreen(out, w)
+
+
+def _best(out, x, pad):
+    exact = out(x.unsqueeze(0))[0]
+    exact[pad] = -math.inf
+    top2 = exact.topk(2)
+    return int(top2.indices[0]), float(top2.values[0] - top2.values[1]), exact
+
+
+def test_a_certified_pick_is_the_float32_products_largest_column():
+    w, b, out, screen = _screen()
+    certified = 0
+    for trial in range(300):
+        x = torch.randn(w.size(1)) * (10.0 ** (trial % 5 - 2))
+        pad = (trial * 37) % w.size(0)
+        column, lp_bound = screen(x, pad, 1.0, 0.0)
+        best, gap, exact = _best(out, x, pad)
+        if column >= 0:
+            certified += 1
+            assert column == best, f"trial {trial}: picked {column}, the largest is {best} (gap {gap})"
+            lp = torch.log_softmax(out(x.unsqueeze(0))[0], -1)[column]
+            assert abs(float(lp)) <= lp_bound
+    assert certified >= 250  # random rows rarely tie
+
+
+def test_near_ties_are_refused_or_right():
+    w, b, out, screen = _screen(V=64, K=32, seed=1)
+    refused = 0
+    for i, eps in enumerate([0.0, 1e-9, 1e-7, 1e-5, 1e-3, 1e-1]):
+        w2 = w.clone()
+        b2 = b.clone()
+        w2[7] = w2[5] + eps  # column 7 a hair above column 5 along x = w[5]
+        b2[7] = b2[5]
+        out2 = rowgemm.PackedLinear(w2, b2)
+        screen2 = rowgemm.GreedyScreen(out2, w2)
+        x = w2[5] * 20.0
+        column, _ = screen2(x, 0, 1.0, 0.0)
+        best, gap, exact = _best(out2, x, 0)
+        if column < 0:
+            refused += 1
+        else:
+            assert column == best and gap > 0, f"eps {eps}: picked {column}, largest {best}, gap {gap}"
+        if eps == 0.0:
+            assert column < 0  # an exact tie is never certified (fairseq's top-2 decides it)
+    assert refused >= 2
+
+
+def test_pad_nan_and_a_huge_running_score():
+    w, b, out, screen = _screen(V=200, K=40, seed=2)
+    x = torch.randn(40)
+    best, _, _ = _best(out, x, pad=1)
+    b2 = b.clone()
+    b2[best] = 100.0  # the pad column above all: never picked
+    out2 = rowgemm.PackedLinear(w, b2)
+    column, _ = rowgemm.GreedyScreen(out2, w)(x, best, 1.0, 0.0)
+    assert column != best
+    assert column == _best(out2, x, best)[0] or column < 0
+    y = x.clone()
+    y[3] = float("nan")
+    assert screen(y, 1, 1.0, 0.0)[0] < 0
+    assert screen(x, 1, 1.0, 1e9)[0] < 0  # no margin survives the rounding of such a running score
+    column, _ = screen(x, 1, 0.5, 0.0)  # a temperature changes no order
+    assert column in (-1, best)
+
+
+@pytest.fixture(scope="module")
+def toy(verifier):
+    return verifier
+
+
+def _decode(model, task, off=(), refuse_every=0, bsz=1, **opts):
+    """``refuse_every``: every so many screened picks are refused (as at a near tie)."""
+    gen = H.make_generator(model, NoDrafter(), task.target_dictionary, 4, off=off, **opts)
+    real, count = rowgemm.GreedyScreen.__call__, [0]
+
+    def sometimes(self, *args):
+        count[0] += 1
+        return (-1, 0.0) if refuse_every and count[0] % refuse_every == 0 else real(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rowgemm.GreedyScreen, "__call__", sometimes)
+        return gen, run_generator(gen, model, H.batches(task, "test", bsz))
+
+
+@pytest.mark.parametrize("opts", ["default", "max_len_3", "min_len_15"])
+def test_screened_decoding_is_bitwise_the_unscreened_one_and_beam1(toy, beam1_reference, opts):
+    model, task = toy
+    options = H.OPTION_SETS[opts]
+    plain_gen, plain = _decode(model, task, off=("screen",), **options)
+    assert plain_gen.screened is None
+    gen, got = _decode(model, task, **options)
+    assert gen.screened is not None
+    assert_identical(plain, got, atol=0)
+    assert_identical(beam1_reference(opts, 1), got)
+    if opts != "max_len_3":
+        assert gen.screened.screened > 0
+    for refuse_every in (2, 3):
+        _, refused = _decode(model, task, refuse_every=refuse_every, **options)
+        assert_identical(plain, refused, atol=0)
+
+
+def test_temperature_and_batches_whose_rows_finish(toy):
+    model, task = toy
+    opts = dict(max_len_a=0, max_len_b=200, min_len=1, temperature=0.7)
+    _, plain = _decode(model, task, off=("screen",), **opts)
+    gen, got = _decode(model, task, **opts)
+    assert gen.screened.screened > 0
+    assert_identical(plain, got, atol=0)
+    # batches of 4: the last unfinished row of each is screened
+    _, plain4 = _decode(model, task, off=("screen",), bsz=4)
+    gen4, got4 = _decode(model, task, bsz=4)
+    assert gen4.screened.screened > 0
+    assert_identical(plain4, got4, atol=0)
+
+
+def test_the_backend_screens_strict_native_steps_only(toy):
+    model, task = toy
+    d = task.target_dictionary
+    assert resolve_backend("auto", model, StrictAcceptance()).screen
+    assert not resolve_backend("auto", model, StrictAcceptance(), off=frozenset({"screen"})).screen
+    assert not resolve_backend("auto", model, StrictAcceptance(), off=frozenset({"accept"})).screen
+    assert not resolve_backend("reference", model, StrictAcceptance()).screen
+    assert not resolve_backend("auto", model, TopBetaAcceptance(3, 1.0)).screen
+    assert H.make_generator(model, NoDrafter(), d, 4, unk_penalty=-3.0).screened is None
