@@ -350,8 +350,8 @@ class LeanVerifier(VerifyPass):
         for part in super().timed_parts(k):
             yield (*part[:3], False) if self.one_call and part[1] == "logits" else part
         if self.screening:
-            yield self, "final_states", "verifier pass (1 token, screened pick)", False
-            yield self, "log_probs", "of which: verifier vocabulary projection (deferred or not certified)", False
+            yield self, "final_states", "verifier pass, screened pick (1 token)", False
+            yield self, "log_probs", "verifier vocabulary projection of screened steps (settled, or not certified)", False
 
     @property
     def one_call(self) -> bool:
