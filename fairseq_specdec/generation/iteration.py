@@ -73,7 +73,7 @@ class Iteration:
         screened = self.screened
         out = None
         if screened is not None and drafts.size == 0 and screened.applies(state, max_len, host_checks):
-            out, _, lprobs = screened(state, tokens)  # lprobs: None where the pick is certified
+            out, lprobs = screened(state, tokens)  # lprobs: None where the pick is certified
         else:
             if screened is not None:
                 screened.settle(state)  # the step below reads the running scores

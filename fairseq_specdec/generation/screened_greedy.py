@@ -78,12 +78,12 @@ class ScreenedGreedy:
         return (host_checks and state.size == 1 and self.verifier.screens
                 and self.rules.min_len <= state.lengths_host[0] < max_len)
 
-    def __call__(self, state, tokens: Tensor) -> Tuple[Optional[StepResult], Tensor, Optional[Tensor]]:
-        """The pass over row 0's newest token (``tokens``: 1 x 1), then
-        ``(result, features, None)`` where the pick is certified (its
-        log-prob and the running score deferred), else ``(None, features,
-        log-probs)``: the pass's log-probs, for the ordinary step, the
-        deferred scores settled first."""
+    def __call__(self, state, tokens: Tensor) -> Tuple[Optional[StepResult], Optional[Tensor]]:
+        """The pass over row 0's newest token (``tokens``: 1 x 1; its final
+        states are the verifier's ``last_features``), then ``(result, None)``
+        where the pick is certified (its log-prob and the running score
+        deferred), else ``(None, log-probs)``: the pass's log-probs, for the
+        ordinary step, the deferred scores settled first."""
         features = self.verifier.final_states(tokens, state)
         deferred = state.deferred
         if deferred is None:
@@ -93,7 +93,7 @@ class ScreenedGreedy:
         if column < 0:
             self.uncertified += 1
             self.settle(state)
-            return None, features, self.verifier.log_probs(features)
+            return None, self.verifier.log_probs(features)
         self.screened += 1
         deferred.states.append(features.view(-1))
         deferred.columns.append(state.lengths_host[0] + 1)
@@ -105,7 +105,7 @@ class ScreenedGreedy:
             counts = self._counts[(eos, tokens.device)] = torch.tensor([[1], [eos], [0], [0]], device=tokens.device)
         new_tokens = torch.tensor([[column]], device=tokens.device)
         # the log-prob is a placeholder until settle(); the running score stays the settled one
-        return StepResult(new_tokens, state.pos_scores.new_zeros((1, 1)), counts[0], state.cum, counts), features, None
+        return StepResult(new_tokens, state.pos_scores.new_zeros((1, 1)), counts[0], state.cum, counts), None
 
     def settle(self, state) -> None:
         """Compute row 0's deferred scores: its kept states' log-probs in one

@@ -1206,9 +1206,9 @@ __attribute__((target("avx2,fma"))) static float screen_candidates(const float* 
 // (the int8 weight's and the 16-bit input's rounding, then every float32
 // rounding of both products, doubled).  Every column but ``pad`` with
 // a[n] + e[n] >= tau = max over them of a[n] - e[n] gets its exact t[n]
-// (its panel column summed in order by fused multiply-adds from 0, the bias
-// added last: bitwise the panels' value); every other column is below tau,
-// and tau is at most the best exact value.  The pick is certified when the
+// (its panel through the products' own one-row block: bitwise the value the
+// products give); every other column is below tau, and tau is at most the
+// best exact value.  The pick is certified when the
 // best exact value exceeds every other candidate's and every other
 // column's bound a[n] + e[n] by more than 2^-14 (16 + |t| / T + (max(a + e)
 // / T + log V) + cum_bound) times the temperature T: then no float32
