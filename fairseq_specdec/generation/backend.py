@@ -181,14 +181,13 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     if native is not None:
         return Backend(name, LeanVerifier(model, temperature, gemm="torch", encoder="fairseq"),
                        reasons=(f"torch's products: the native kernels do not run ({native})",), off=off)
-    verifier = LeanVerifier(model, temperature, gemm="rowgemm", encoder="fairseq" if "encoder" in off else "auto",
-                            fused_layers="layers" not in off)
     fused = "accept" not in off and native_step_unavailable(acceptance, unk_penalty) is None
+    screen = fused and isinstance(acceptance, StrictAcceptance) and "screen" not in off and rowgemm.screen_available()
+    verifier = LeanVerifier(model, temperature, gemm="rowgemm", encoder="fairseq" if "encoder" in off else "auto",
+                            fused_layers="layers" not in off, screening=screen)
     precision = "bfloat16" if "bf16" not in off and rowgemm.bfloat16_available() else "float32"
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off,
                             steps="steps" not in off and rowgemm.decoder_steps_available())
     append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
-    screen = fused and isinstance(acceptance, StrictAcceptance) and "screen" not in off and rowgemm.screen_available()
-    verifier.screening = screen
     return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append, screen=screen,
                    reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

@@ -248,10 +248,11 @@ class LeanVerifier(VerifyPass):
     impl = "lean"
 
     def __init__(self, model, temperature: float = 1.0, gemm: str = "auto", encoder: str = "auto",
-                 fused_layers: bool = True, precision: str = "float32"):
+                 fused_layers: bool = True, precision: str = "float32", screening: bool = False):
         """``precision``: the element type of the packed weights of the
         ``rowgemm`` products (float32 for a verifier; ``int8`` for the
-        int8 copy that drafts in ``--decoding self-draft``)."""
+        int8 copy that drafts in ``--decoding self-draft``); ``screening``:
+        :meth:`start` makes :attr:`screen` (the backend's ``screen`` part)."""
         super().__init__(model, temperature)
         reason = lean_unsupported_reason(self.decoder)
         if reason is not None:
@@ -289,7 +290,7 @@ class LeanVerifier(VerifyPass):
         #: layer is fused and the rest fits (made with the layers, in start)
         self.whole_pass: Optional[rowgemm.DecoderPass] = None
         #: whether :meth:`start` makes :attr:`screen` (the backend's ``screen`` part)
-        self.screening = False
+        self.screening = screening
         #: the greedy pick of one row without the float32 vocabulary product
         #: (:class:`~fairseq_specdec.kernels.rowgemm.GreedyScreen`, made in
         #: :meth:`start` where ``screening`` and the whole pass is one call), or None

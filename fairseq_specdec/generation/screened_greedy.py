@@ -2,9 +2,9 @@
 
 At batch 1 a verify pass of one token (an iteration with no drafts:
 ``--decoding loop-greedy``, or a drafter that proposed nothing) reads every
-float32 weight of the decoder once, and on a CPU it waits for them: the
-vocabulary projection is the largest of them (43% of the bytes of the
-``make demo`` verifier). Its greedy pick needs no float32 product of every
+float32 weight of the decoder once, and on a CPU it waits for them; the
+vocabulary projection is the largest of them in a small model
+(docs/verify-kernels.md). Its greedy pick needs no float32 product of every
 column, only the knowledge of which column is largest:
 :class:`~fairseq_specdec.kernels.rowgemm.GreedyScreen` estimates every
 column from the projection's int8 copy (a quarter of the bytes) with a
@@ -17,7 +17,7 @@ log-prob plus running score, pad excluded), whatever the running score.
 What the pick's log-prob and the running score need, the log-softmax over
 every column, is **deferred**: the step's final states are kept, and
 :meth:`ScreenedGreedy.settle` projects all a row's kept states at once (one
-product of T rows, which costs little more than one of 1 row) before
+product of T rows, which reads the float32 weights once) before
 anything reads the scores: the next step that is not screened, and the
 row's hypothesis. A row's projection, log-softmax, positional scores and
 running score (summed in float32 one token at a time) are bitwise those
