@@ -249,10 +249,7 @@ class DecoderPass:
         alone, so rows of several passes projected together are bitwise
         those of their passes)."""
         out = self.output
-        logits = _ext.linear(features, out.packed, out.out_features, out.bias, 0)
-        if temperature != 1.0:
-            logits = logits.div_(temperature)
-        return torch.log_softmax(logits, -1, dtype=torch.float32)
+        return _ext.pass_log_probs(features, out.packed, out.out_features, out.bias, float(temperature))
 
     def draft_steps(self, first: Tensor, k: int, pad: int, eos: int, log_min_confidence: float, starts: List[int],
                     embed_weight: Tensor, embed_scale: float, positions: Optional[Tensor], keys, values, cross,
@@ -300,8 +297,9 @@ class GreedyScreen:
     ``cum_bound`` in magnitude, can close; else :meth:`__call__` returns -1.
 
     ``output``: the pass's float32 :class:`PackedLinear`; ``weight``: its
-    float32 weight (V x C), read once here for the int8 copy, its scales
-    and its rows' absolute sums.  A snapshot, like :class:`PackedLinear`."""
+    float32 weight (V x C), read once here for the int8 copy (its scales
+    read back from it) and its rows' absolute sums.  A snapshot, like
+    :class:`PackedLinear`."""
 
     def __init__(self, output: "PackedLinear", weight: Tensor):
         if output.precision != "float32":
@@ -309,8 +307,8 @@ class GreedyScreen:
         weight = weight.detach().float().contiguous()
         self.output = output
         self.int8 = _ext.pack_i8(weight)
-        # pack_i8's scales, and each row's absolute sum rounded up (the bound must not be too small)
-        self.scales = weight.abs().max(1).values.div(127.0).clamp_min(1e-12)
+        self.scales = _ext.pack_i8_scales(self.int8, output.out_features)
+        # each row's absolute sum, rounded up (the bound must not be too small)
         self.l1 = weight.double().abs().sum(1).mul(1 + 2 ** -20).float()
 
     def __call__(self, features: Tensor, pad: int, temperature: float, cum_bound: float) -> Tuple[int, float]:
@@ -319,7 +317,7 @@ class GreedyScreen:
         on the magnitude of its log-prob (what the running score may grow
         by); -1 where no pick is certified."""
         out = self.output
-        column, _, lp_bound = _ext.screen_greedy(features, self.int8, out.packed, out.out_features, out.bias,
+        column, lp_bound = _ext.screen_greedy(features, self.int8, out.packed, out.out_features, out.bias,
                                                  self.scales, self.l1, int(pad), float(temperature),
                                                  float(cum_bound))
         return column, lp_bound

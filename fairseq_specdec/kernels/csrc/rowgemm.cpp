@@ -387,6 +387,16 @@ torch::Tensor pack_i8(const torch::Tensor& weight) {
   return torch::cat({panels, scale_rows}, 1).contiguous();
 }
 
+// the N row scales an int8 packed weight holds (pack_i8: the 4 k-rows of
+// bytes after each panel's K, 8 float32), as an N float32 tensor
+torch::Tensor pack_i8_scales(const torch::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(packed.scalar_type() == torch::kChar, "rowgemm.pack_i8_scales: not int8 panels");
+  check_packed(packed, out_features);
+  const int64_t K = in_features(packed);
+  return packed.narrow(1, K, kScaleRows).contiguous().view(torch::kFloat).reshape({-1}).narrow(0, 0, out_features)
+      .clone();
+}
+
 // bias: N -> P*8 zero padded (or an empty tensor for none)
 torch::Tensor pack_bias(const torch::Tensor& bias) {
   TORCH_CHECK(bias.dim() == 1 && bias.scalar_type() == torch::kFloat && bias.device().is_cpu(),
@@ -498,6 +508,12 @@ inline Layout layout_i8(int64_t m) {
   return {6, 2};
 }
 
+// Q of the int8 products' 16-bit inputs: the largest integer up to 32767
+// with 127 * K * Q < 2^31, so that a sum of K products is exact in 32 bits
+inline int64_t int16_scale_max(int64_t K) {
+  return std::min<int64_t>(32767, (int64_t{2147483647}) / (127 * std::max<int64_t>(K, 1)));
+}
+
 // linear_raw for int8 panels (w: [P][K + 4][8], see the top of the file):
 // each row of x quantized to 16 bits, its pairs of k interleaved per row
 // group, then the integer blocks
@@ -509,9 +525,7 @@ void linear_raw_i8(const float* xs, int64_t m, int64_t K, const int8_t* w, int64
   const int64_t group_rows = lay.group_rows;
   const int64_t groups = (m + group_rows - 1) / group_rows;
   const int64_t kpairs = (K + 1) / 2;
-  // Q: the largest integer up to 32767 with 127 * K * Q < 2^31 (exact sums)
-  const int64_t qmax = std::min<int64_t>(32767, (int64_t{2147483647}) / (127 * std::max<int64_t>(K, 1)));
-  const float fq = static_cast<float>(qmax);
+  const float fq = static_cast<float>(int16_scale_max(K));
   std::vector<int32_t> xp(static_cast<size_t>(groups * kpairs * group_rows));
   std::vector<float> sx(static_cast<size_t>(groups * group_rows), 0.0f);
   std::vector<int32_t> q(static_cast<size_t>(kpairs * 2));
@@ -1087,6 +1101,17 @@ torch::Tensor pass_inputs(const torch::Tensor& tokens, const c10::optional<torch
 // (heads, scaling, c_heads, c_scaling, normalize_before, eps); keys, values,
 // cross_keys, cross_values: per layer.  Returns (log-probs B x m x V float32,
 // the last layer's output after the final norm, B x m x C).
+// The end of a pass from its final states x (... x C): the vocabulary
+// projection, the temperature and the float32 log-softmax.  A row's values
+// depend on that row alone, so states of several passes projected together
+// give bitwise each pass's log-probs (screened greedy steps settle so).
+torch::Tensor pass_log_probs(const torch::Tensor& x, const torch::Tensor& out_packed, int64_t vocab,
+                             const c10::optional<torch::Tensor>& out_bias, double temperature) {
+  torch::Tensor logits = linear(x, out_packed, vocab, out_bias, 0);
+  if (temperature != 1.0) logits = logits.div_(temperature);
+  return at::log_softmax(logits, -1, torch::kFloat);
+}
+
 std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
     const torch::Tensor& tokens, const c10::optional<torch::Tensor>& depths, const std::vector<int64_t>& starts,
     const torch::Tensor& embed_w, double embed_scale, const c10::optional<torch::Tensor>& pos_table,
@@ -1119,9 +1144,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
   if (final_ln_w.has_value() && final_ln_w->defined())
     x = at::layer_norm(x, {x.size(-1)}, *final_ln_w, *final_ln_b, final_eps);
   if (!project) return {torch::Tensor(), x};
-  torch::Tensor logits = linear(x, out_packed, vocab, out_bias, 0);
-  if (temperature != 1.0) logits = logits.div_(temperature);
-  return {at::log_softmax(logits, -1, torch::kFloat), x};
+  return {pass_log_probs(x, out_packed, vocab, out_bias, temperature), x};
 }
 
 // screen_greedy's first sweep: e[n] = alpha s[n] + beta l1[n] + rel (|a[n]| + |b[n]|) for every
@@ -1214,10 +1237,10 @@ __attribute__((target("avx2,fma"))) static float screen_candidates(const float* 
 // / T + log V) + cum_bound) times the temperature T: then no float32
 // rounding of the log-softmax or of a running score up to ``cum_bound`` in
 // magnitude can tie it with another column or put one above it.  Returns
-// (the column, or -1 where not certified or x is not finite; its exact
-// value t; lp_bound = max(a + e) / T + log V - t / T, at least the
-// magnitude of the pick's log-prob).
-std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, const torch::Tensor& w8,
+// (the column, or -1 where not certified or x is not finite; lp_bound =
+// max(a + e) / T + log V - t / T, at least the magnitude of the pick's
+// log-prob).  ``scales``: the int8 rows' scales, pack_i8_scales(w8).
+std::tuple<int64_t, double> screen_greedy(const torch::Tensor& x_in, const torch::Tensor& w8,
                                                   const torch::Tensor& w32, int64_t vocab,
                                                   const c10::optional<torch::Tensor>& bias, const torch::Tensor& scales,
                                                   const torch::Tensor& l1, int64_t pad, double temperature,
@@ -1237,7 +1260,7 @@ std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, con
   float amax = 0.0f;
   double xl1 = 0.0;
   for (int64_t k = 0; k < K; ++k) {
-    if (!std::isfinite(xs[k])) return {-1, 0.0, 0.0};
+    if (!std::isfinite(xs[k])) return {-1, 0.0};
     amax = std::max(amax, std::fabs(xs[k]));
     xl1 += std::fabs(xs[k]);
   }
@@ -1248,8 +1271,7 @@ std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, con
   }
   std::vector<float> a(static_cast<size_t>(w8.size(0) * kLanes));
   linear_raw_i8(xs, 1, K, w8.data_ptr<int8_t>(), w8.size(0), b, 0, a.data(), V, V);
-  const int64_t qmax = std::min<int64_t>(32767, (int64_t{2147483647}) / (127 * std::max<int64_t>(K, 1)));
-  const double sx = static_cast<double>(amax) / static_cast<double>(qmax);
+  const double sx = static_cast<double>(amax) / static_cast<double>(int16_scale_max(K));
   // e[n] = alpha s[n] + beta l1[n] + rel (|a[n]| + |b[n]|), the formula above regrouped, its float32
   // evaluation covered by the factor (1 + 2^-10)
   const double grow = 1.0 + std::ldexp(1.0, -10), rel = static_cast<double>(K + 8) * std::ldexp(1.0, -23);
@@ -1265,16 +1287,15 @@ std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, con
   a[pad] = -std::numeric_limits<float>::infinity();
   float tau, top;
   screen_bounds(a.data(), sc, l1p, b, V, alpha, beta, relf, e.data(), &tau, &top);
-  if (!std::isfinite(tau) || !std::isfinite(top)) return {-1, 0.0, 0.0};
+  if (!std::isfinite(tau) || !std::isfinite(top)) return {-1, 0.0};
   // the candidates' exact values: each candidate's panel through the kernel's own one-row block
   // (its 8 columns, bitwise the products' values); ``rest``: the largest bound of the others
   const float* w = w32.data_ptr<float>();
-  float rest = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> candidates;
+  const float rest = screen_candidates(a.data(), e.data(), V, tau, &candidates);
   int64_t best = -1, done_panel = -1;
   float tbest = 0.0f, tsecond = -std::numeric_limits<float>::infinity();
   alignas(32) float panel_out[kLanes];
-  std::vector<int64_t> candidates;
-  rest = screen_candidates(a.data(), e.data(), V, tau, &candidates);
   for (const int64_t n : candidates) {
     const int64_t p = n / kLanes;
     if (p != done_panel) {
@@ -1283,7 +1304,7 @@ std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, con
       done_panel = p;
     }
     const float t = panel_out[n % kLanes];
-    if (!std::isfinite(t)) return {-1, 0.0, 0.0};
+    if (!std::isfinite(t)) return {-1, 0.0};
     if (best < 0 || t > tbest) {
       if (best >= 0) tsecond = tbest;
       best = n;
@@ -1292,13 +1313,13 @@ std::tuple<int64_t, double, double> screen_greedy(const torch::Tensor& x_in, con
       tsecond = std::max(tsecond, t);
     }
   }
-  if (best < 0) return {-1, 0.0, 0.0};
+  if (best < 0) return {-1, 0.0};
   const double T = temperature, lp_bound = top / T + std::log(static_cast<double>(V)) - tbest / T;
   const double margin = std::ldexp(1.0, -14) * (16.0 + std::fabs(tbest) / T + std::fabs(lp_bound) + std::fabs(top) / T +
                                                  cum_bound) * T;
   const double gap = static_cast<double>(tbest) - std::max<double>(tsecond, rest);
-  if (!(gap > margin)) return {-1, static_cast<double>(tbest), lp_bound};
-  return {best, static_cast<double>(tbest), lp_bound};
+  if (!(gap > margin)) return {-1, 0.0};
+  return {best, lp_bound};
 #else
   TORCH_CHECK(false, "rowgemm: built without x86-64 support");
 #endif
@@ -1518,6 +1539,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
+  m.def("pack_i8_scales", &pack_i8_scales, "the N float32 row scales of int8 panels (pack_i8)");
   m.def("pack_bias", &pack_bias, "zero-pad a bias to the packed weight's columns");
   m.def("linear", &linear, "x W^T + b through a packed weight", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("out_features"), pybind11::arg("bias") = c10::nullopt, pybind11::arg("activation") = 0);
@@ -1525,6 +1547,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one fairseq Transformer decoder layer (ReLU FFN) over a pass's new tokens, KV cache written in place");
   m.def("decoder_pass", &decoder_pass,
         "a whole verify pass of the decoder: inputs, every fused layer, final norm, projection, log-softmax");
+  m.def("pass_log_probs", &pass_log_probs,
+        "the end of decoder_pass from its final states: the projection, the temperature, the float32 log-softmax");
   m.def("screen_greedy", &screen_greedy,
         "one row's certified greedy column from the int8 copy of the projection and exact float32 candidates, or -1");
   m.def("decoder_steps", &decoder_steps,
