@@ -134,6 +134,7 @@ def test_bad_benchmark_options_fail_before_any_decoding(benchmark, monkeypatch, 
 @pytest.mark.parametrize("args, message", [
     (["--limit", "0"], "--limit must be at least 1"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--drafter", "missing.pt"], "no such file: missing.pt"),
 ])
 def test_bad_profile_options_fail_before_loading(tmp_path, args, message):

@@ -5,10 +5,12 @@ candidates, the scores deferred.
 * the screen's pick, where it certifies one, is the largest float32 value
   of the kernel's product (pad excluded); near ties, exact ties, a pad
   column above all, NaN inputs and a huge running score make it refuse;
+  rows screened together get what each gets alone;
 * decodings with it are bitwise those without it (``FAIRSEQ_SPECDEC_OFF=screen``):
   tokens, positional scores and scores, also where picks are refused in the
   middle of a sentence and with a temperature, the length rules and
-  ``--min-len``; and equal fairseq's ``--beam 1``;
+  ``--min-len``, and in batches whose last rows are screened together while
+  rows finish; and equal fairseq's ``--beam 1``;
 * the backend builds it for strict verification with the native step only.
 """
 import math
@@ -33,6 +35,13 @@ def _screen(V=1003, K=96, seed=0, scale=0.1):
     return w, b, out, rowgemm.GreedyScreen(out, w)
 
 
+def _one(screen, x, pad, temperature, cum_bound):
+    """The screen of one row: (column or -1, lp_bound)."""
+    columns, bounds = screen(x.unsqueeze(0), pad, temperature, [cum_bound])
+    assert len(columns) == len(bounds) == 1
+    return columns[0], bounds[0]
+
+
 def _best(out, x, pad):
     exact = out(x.unsqueeze(0))[0]
     exact[pad] = -math.inf
@@ -46,7 +55,7 @@ def test_a_certified_pick_is_the_float32_products_largest_column():
     for trial in range(300):
         x = torch.randn(w.size(1)) * (10.0 ** (trial % 5 - 2))
         pad = (trial * 37) % w.size(0)
-        column, lp_bound = screen(x, pad, 1.0, 0.0)
+        column, lp_bound = _one(screen, x, pad, 1.0, 0.0)
         best, gap, exact = _best(out, x, pad)
         if column >= 0:
             certified += 1
@@ -67,7 +76,7 @@ def test_near_ties_are_refused_or_right():
         out2 = rowgemm.PackedLinear(w2, b2)
         screen2 = rowgemm.GreedyScreen(out2, w2)
         x = w2[5] * 20.0
-        column, _ = screen2(x, 0, 1.0, 0.0)
+        column, _ = _one(screen2, x, 0, 1.0, 0.0)
         best, gap, exact = _best(out2, x, 0)
         if column < 0:
             refused += 1
@@ -85,15 +94,33 @@ def test_pad_nan_and_a_huge_running_score():
     b2 = b.clone()
     b2[best] = 100.0  # the pad column above all: never picked
     out2 = rowgemm.PackedLinear(w, b2)
-    column, _ = rowgemm.GreedyScreen(out2, w)(x, best, 1.0, 0.0)
+    column, _ = _one(rowgemm.GreedyScreen(out2, w), x, best, 1.0, 0.0)
     assert column != best
     assert column == _best(out2, x, best)[0] or column < 0
     y = x.clone()
     y[3] = float("nan")
-    assert screen(y, 1, 1.0, 0.0)[0] < 0
-    assert screen(x, 1, 1.0, 1e9)[0] < 0  # no margin survives the rounding of such a running score
-    column, _ = screen(x, 1, 0.5, 0.0)  # a temperature changes no order
+    assert _one(screen, y, 1, 1.0, 0.0)[0] < 0
+    assert _one(screen, x, 1, 1.0, 1e9)[0] < 0  # no margin survives the rounding of such a running score
+    column, _ = _one(screen, x, 1, 0.5, 0.0)  # a temperature changes no order
     assert column in (-1, best)
+
+
+def test_rows_screened_together_get_what_each_gets_alone():
+    w, b, out, screen = _screen(V=500, K=64, seed=3)
+    torch.manual_seed(4)
+    for rows in (2, 3, 4, 7):
+        x = torch.randn(rows, 64) * torch.logspace(-2, 1, rows).unsqueeze(1)  # each row its own scale
+        x[rows // 2, 5] = float("nan")  # a row that is refused, among others that are not
+        cums = [0.0, 1e9, 3.0, 0.5, 2.0, 7.0, 1.0][:rows]  # one running score no margin survives
+        columns, bounds = screen(x, 1, 1.0, cums)
+        alone = [_one(screen, x[r], 1, 1.0, cums[r]) for r in range(rows)]
+        assert list(zip(columns, bounds)) == alone
+        assert columns[rows // 2] < 0 and columns[1] < 0
+        for r in range(rows):
+            if r not in (1, rows // 2):
+                assert columns[r] == _best(out, x[r], 1)[0]
+    with pytest.raises(RuntimeError, match="one cum_bound per row"):
+        screen(torch.randn(2, 64), 1, 1.0, [0.0])
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +132,20 @@ def _decode(model, task, off=(), refuse_every=0, bsz=1, **opts):
     """``refuse_every``: every so many screened picks are refused (as at a near tie)."""
     gen = H.make_generator(model, NoDrafter(), task.target_dictionary, 4, off=off, **opts)
     real, count = rowgemm.GreedyScreen.__call__, [0]
+    gen_rows = []  # the rows of each screened pass
 
-    def sometimes(self, *args):
+    def sometimes(self, features, *args):
         count[0] += 1
-        return (-1, 0.0) if refuse_every and count[0] % refuse_every == 0 else real(self, *args)
+        gen_rows.append(features.size(0))
+        rows = features.size(0)
+        return ([-1] * rows, [0.0] * rows) if refuse_every and count[0] % refuse_every == 0 else \
+            real(self, features, *args)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rowgemm.GreedyScreen, "__call__", sometimes)
-        return gen, run_generator(gen, model, H.batches(task, "test", bsz))
+        out = run_generator(gen, model, H.batches(task, "test", bsz))
+    gen.rows_screened = gen_rows
+    return gen, out
 
 
 @pytest.mark.parametrize("opts", ["default", "max_len_3", "min_len_15"])
@@ -139,11 +172,15 @@ def test_temperature_and_batches_whose_rows_finish(toy):
     gen, got = _decode(model, task, **opts)
     assert gen.screened.screened > 0
     assert_identical(plain, got, atol=0)
-    # batches of 4: the last unfinished row of each is screened
-    _, plain4 = _decode(model, task, off=("screen",), bsz=4)
-    gen4, got4 = _decode(model, task, bsz=4)
-    assert gen4.screened.screened > 0
-    assert_identical(plain4, got4, atol=0)
+    # batches of 8: their last (up to 4) unfinished rows are screened together, also while rows finish
+    _, plain8 = _decode(model, task, off=("screen",), bsz=8)
+    gen8, got8 = _decode(model, task, bsz=8)
+    assert gen8.screened.screened > 0
+    assert max(gen8.rows_screened) == gen8.screened.max_rows == 4 and min(gen8.rows_screened) == 1
+    assert_identical(plain8, got8, atol=0)
+    for refuse_every in (2, 3):
+        _, refused8 = _decode(model, task, bsz=8, refuse_every=refuse_every)
+        assert_identical(plain8, refused8, atol=0)
 
 
 def test_the_backend_screens_strict_native_steps_only(toy):

@@ -3,7 +3,7 @@ decoder, component by component (the breakdown of Table 18 of the SpecDec ICLR 2
 
 Every decoder is built as ``fairseq-generate`` builds it
 (:func:`fairseq_specdec.bench.loading.load_decoder`), with threads pinned, and
-decodes the same sentences at batch 1 after a warm-up: fairseq's ``--beam 1``,
+decodes the same sentences at ``--batch-size`` (default 1) after a warm-up: fairseq's ``--beam 1``,
 then strict draft-verify with ``--drafter``, the blockwise heads of
 ``--blockwise``, greedy decoding through the loop (``--loop-greedy``),
 n-gram drafting from the data directory's train split (``--ngram``) and
@@ -199,6 +199,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=10, help="sentences decoded before timing")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--block-size", type=int, default=None, help="k (default: the drafter's)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="sentences per batch, for every decoder (default 1)")
     parser.add_argument("--extra", default="",
                         help="more fairseq-generate options for the draft-verify decoder, one string "
                              "(write it with =, e.g. --extra=\"--adaptive-draft --draft-min-confidence 0.3\")")
@@ -210,12 +212,12 @@ def main(argv=None):
     for path in (args.verifier, args.drafter, args.blockwise):
         if path is not None and not os.path.exists(path):
             parser.error(f"no such file: {path}")
-    for name, least in (("limit", 1), ("threads", 1), ("warmup", 0)):
+    for name, least in (("limit", 1), ("threads", 1), ("warmup", 0), ("batch_size", 1)):
         if getattr(args, name) < least:
-            parser.error(f"--{name} must be at least {least}, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
 
     common = dict(data=args.data, src=args.src, tgt=args.tgt, subset=args.subset, threads=args.threads,
-                  limit=args.limit, batch_size=1, beam=1, device="cpu")
+                  limit=args.limit, batch_size=args.batch_size, beam=1, device="cpu")
     greedy = dict(common, path=args.verifier, extra=["--decoding", "autoregressive"])
     k = ["--block-size", str(args.block_size)] if args.block_size else []
     loops = []  # (label, spec) of the plugin's loop
@@ -247,7 +249,7 @@ def main(argv=None):
         rows += rows_of(label, total, n, timers, iterations)
         summary.append(f"{label}: {tokens} output tokens in {iterations} iterations (Tok. {tokens / max(iterations, 1):.2f})")
 
-    print(f"batch 1, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; " + "; ".join(summary) + "\n")
+    print(f"batch {args.batch_size}, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; " + "; ".join(summary) + "\n")
     print("| decoder | component | calls | ms/call | ms/sentence | share |")
     print("|---|---|---|---|---|---|")
     for r in rows:

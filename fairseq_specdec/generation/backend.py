@@ -119,7 +119,7 @@ class Backend:
                  f"acceptance step {'native' if self.fused_accept else 'torch'}",
                  f"commit {'native' if self.append is not None else 'torch'}"]
         if self.screen:
-            parts.append("screened greedy steps at batch 1")
+            parts.append(f"screened greedy steps of up to {ScreenedGreedy.MAX_ROWS} rows")
         if self.drafting.products:
             parts.append(f"drafters native ({self.drafting.precision} weights)")
         if self.iteration is not None:

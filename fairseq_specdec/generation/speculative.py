@@ -239,7 +239,7 @@ class SpeculativeGenerator:
     def _finalize(self, state: DecodingState, i: int) -> List[Dict]:
         """Row i's hypothesis in SequenceGenerator's format."""
         if self.screened is not None:
-            self.screened.settle(state)  # deferred scores only ever belong to a state's last row
+            self.screened.settle(state)  # every row's: the finished rows leave the state after this
         length = state.lengths_host[i]  # the EOS included
         score = state.cum[i].clone()
         if self.normalize_scores:

@@ -99,7 +99,7 @@ class DecodingState:
         #: the backend's native commit, or None (tensor operations)
         self._append = append
         self._newest: Optional[Tensor] = None
-        #: row 0's screened steps whose scores are deferred, or None
+        #: the rows' screened steps whose scores are deferred, or None
         #: (:class:`~fairseq_specdec.generation.screened_greedy.DeferredScores`:
         #: while it holds steps, their positional scores are placeholders
         #: and ``cum`` lacks them)
@@ -149,6 +149,8 @@ class DecodingState:
         """Keep only the active rows ``keep_host`` (indices into the active rows)."""
         if len(keep_host) == self.size:
             return
+        if self.deferred is not None:  # (the generator settles them before a row's hypothesis)
+            raise RuntimeError("rows would leave a decoding state that holds deferred scores; settle them first")
         order = torch.tensor(keep_host, dtype=torch.long, device=self.device)
         self.tokens = self.tokens.index_select(0, order)
         self.pos_scores = self.pos_scores.index_select(0, order)

@@ -286,7 +286,7 @@ def screen_available() -> bool:
 
 
 class GreedyScreen:
-    """One row's greedy pick over a vocabulary projection without reading
+    """Each row's greedy pick over a vocabulary projection without reading
     its float32 weights (``screen_greedy`` in ``csrc/rowgemm.cpp``, which
     gives the bound): the projection's int8 copy estimates every column
     with a bound on its error against the float32 panels of ``output``, and
@@ -294,7 +294,9 @@ class GreedyScreen:
     exactly, from those panels.  The pick is *certified*: the column whose
     float32 value (the one the pass computes) is the largest by a margin
     that no float32 rounding of the log-softmax, or of a running score up to
-    ``cum_bound`` in magnitude, can close; else :meth:`__call__` returns -1.
+    the row's ``cum_bound`` in magnitude, can close; else :meth:`__call__`
+    returns -1 for the row.  The int8 estimates of all rows come from one
+    product; a row's pick depends on that row alone.
 
     ``output``: the pass's float32 :class:`PackedLinear`; ``weight``: its
     float32 weight (V x C), read once here for the int8 copy (its scales
@@ -311,16 +313,15 @@ class GreedyScreen:
         # each row's absolute sum, rounded up (the bound must not be too small)
         self.l1 = weight.double().abs().sum(1).mul(1 + 2 ** -20).float()
 
-    def __call__(self, features: Tensor, pad: int, temperature: float, cum_bound: float) -> Tuple[int, float]:
-        """``(column or -1, lp_bound)`` for one row of final ``features``
-        (C floats): the certified greedy column (never ``pad``) and a bound
-        on the magnitude of its log-prob (what the running score may grow
-        by); -1 where no pick is certified."""
+    def __call__(self, features: Tensor, pad: int, temperature: float,
+                 cum_bounds: List[float]) -> Tuple[List[int], List[float]]:
+        """``(columns, lp_bounds)`` for the rows of final ``features``
+        (B x C): each row's certified greedy column (never ``pad``), or -1,
+        and a bound on the magnitude of its log-prob (what the running score
+        may grow by); ``cum_bounds``: a bound on each row's running score."""
         out = self.output
-        column, lp_bound = _ext.screen_greedy(features, self.int8, out.packed, out.out_features, out.bias,
-                                                 self.scales, self.l1, int(pad), float(temperature),
-                                                 float(cum_bound))
-        return column, lp_bound
+        return _ext.screen_greedy(features, self.int8, out.packed, out.out_features, out.bias, self.scales, self.l1,
+                                  int(pad), float(temperature), [float(c) for c in cum_bounds])
 
 
 def decoder_steps_available() -> bool:

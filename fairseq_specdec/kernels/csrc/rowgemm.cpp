@@ -63,6 +63,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -1217,46 +1218,15 @@ __attribute__((target("avx2,fma"))) static float screen_candidates(const float* 
 }
 #endif
 
-// The greedy pick of one row of final states x (K floats) over the
-// vocabulary without the float32 product of every column (GreedyScreen in
-// rowgemm.py): the int8 copy of the projection (w8, pack_i8) gives every
-// column an estimate a[n] and a bound e[n] on |t[n] - a[n]|, t[n] the value
-// the float32 panels (w32) give (the products' contract).  With
-// Q = the int8 kernel's 16-bit scale, sx = max|x| / Q, s[n] the row's int8
-// scale, l1[n] = sum_k |W[n][k]| (rounded up):
-//   e[n] = (s[n] / 2 |x|_1 + (sx / 2) (l1[n] + K s[n] / 2)) (1 + 2^-10)
-//          + (K + 8) 2^-23 (max|x| l1[n] + |a[n]| + |b[n]|)
-// (the int8 weight's and the 16-bit input's rounding, then every float32
-// rounding of both products, doubled).  Every column but ``pad`` with
-// a[n] + e[n] >= tau = max over them of a[n] - e[n] gets its exact t[n]
-// (its panel through the products' own one-row block: bitwise the value the
-// products give); every other column is below tau, and tau is at most the
-// best exact value.  The pick is certified when the
-// best exact value exceeds every other candidate's and every other
-// column's bound a[n] + e[n] by more than 2^-14 (16 + |t| / T + (max(a + e)
-// / T + log V) + cum_bound) times the temperature T: then no float32
-// rounding of the log-softmax or of a running score up to ``cum_bound`` in
-// magnitude can tie it with another column or put one above it.  Returns
-// (the column, or -1 where not certified or x is not finite; lp_bound =
-// max(a + e) / T + log V - t / T, at least the magnitude of the pick's
-// log-prob).  ``scales``: the int8 rows' scales, pack_i8_scales(w8).
-std::tuple<int64_t, double> screen_greedy(const torch::Tensor& x_in, const torch::Tensor& w8,
-                                                  const torch::Tensor& w32, int64_t vocab,
-                                                  const c10::optional<torch::Tensor>& bias, const torch::Tensor& scales,
-                                                  const torch::Tensor& l1, int64_t pad, double temperature,
-                                                  double cum_bound) {
 #ifdef ROWGEMM_X86
-  auto x = x_in.contiguous();
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 1, "screen_greedy: x must be one float32 row");
-  const int64_t K = x.size(0), V = vocab;
-  TORCH_CHECK(w8.scalar_type() == torch::kChar && w8.size(1) == K + kScaleRows, "screen_greedy: w8 is not int8 panels of K ", K);
-  check_packed(w32, V);
-  check_packed(w8, V);
-  TORCH_CHECK(w32.scalar_type() == torch::kFloat, "screen_greedy: w32 must be float32 panels");
-  TORCH_CHECK(w32.size(1) == K, "screen_greedy: w32 has K ", w32.size(1), ", x has ", K);
-  TORCH_CHECK(scales.numel() == V && l1.numel() == V, "screen_greedy: scales and l1 need one value per column");
-  TORCH_CHECK(pad >= 0 && pad < V, "screen_greedy: pad ", pad, " is not a column of ", V);
-  const float* xs = x.data_ptr<float>();
+namespace {
+
+// screen_greedy for one row: x (K floats), a (its int8 estimates, V + padding), the rest as screen_greedy.
+// Returns (the column or -1, lp_bound).
+std::tuple<int64_t, double> screen_row(const float* xs, int64_t K, float* a, int64_t V, const float* w,
+                                       const float* b, const float* sc, const float* l1p, int64_t pad,
+                                       double temperature, double cum_bound, std::vector<float>& e,
+                                       std::vector<int64_t>& candidates) {
   float amax = 0.0f;
   double xl1 = 0.0;
   for (int64_t k = 0; k < K; ++k) {
@@ -1264,13 +1234,6 @@ std::tuple<int64_t, double> screen_greedy(const torch::Tensor& x_in, const torch
     amax = std::max(amax, std::fabs(xs[k]));
     xl1 += std::fabs(xs[k]);
   }
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() >= V, "screen_greedy: the bias has fewer than ", V, " values");
-    b = bias->data_ptr<float>();
-  }
-  std::vector<float> a(static_cast<size_t>(w8.size(0) * kLanes));
-  linear_raw_i8(xs, 1, K, w8.data_ptr<int8_t>(), w8.size(0), b, 0, a.data(), V, V);
   const double sx = static_cast<double>(amax) / static_cast<double>(int16_scale_max(K));
   // e[n] = alpha s[n] + beta l1[n] + rel (|a[n]| + |b[n]|), the formula above regrouped, its float32
   // evaluation covered by the factor (1 + 2^-10)
@@ -1278,21 +1241,17 @@ std::tuple<int64_t, double> screen_greedy(const torch::Tensor& x_in, const torch
   const float alpha = static_cast<float>((xl1 / 2 + sx * K / 4) * grow * grow);
   const float beta = static_cast<float>((sx / 2 * grow + rel * amax) * grow);
   const float relf = static_cast<float>(rel * grow);
-  const float* sc = scales.data_ptr<float>();
-  const float* l1p = l1.data_ptr<float>();
-  std::vector<float> e(static_cast<size_t>(V));
   // pad is never a candidate: a[pad] = -inf makes e[pad] = inf, a - e = -inf and a + e = NaN, which
   // _mm256_max_ps(x, acc) and std::max(acc, x) pass over (they return acc when x is NaN) and no
   // comparison admits
   a[pad] = -std::numeric_limits<float>::infinity();
   float tau, top;
-  screen_bounds(a.data(), sc, l1p, b, V, alpha, beta, relf, e.data(), &tau, &top);
+  screen_bounds(a, sc, l1p, b, V, alpha, beta, relf, e.data(), &tau, &top);
   if (!std::isfinite(tau) || !std::isfinite(top)) return {-1, 0.0};
   // the candidates' exact values: each candidate's panel through the kernel's own one-row block
   // (its 8 columns, bitwise the products' values); ``rest``: the largest bound of the others
-  const float* w = w32.data_ptr<float>();
-  std::vector<int64_t> candidates;
-  const float rest = screen_candidates(a.data(), e.data(), V, tau, &candidates);
+  candidates.clear();
+  const float rest = screen_candidates(a, e.data(), V, tau, &candidates);
   int64_t best = -1, done_panel = -1;
   float tbest = 0.0f, tsecond = -std::numeric_limits<float>::infinity();
   alignas(32) float panel_out[kLanes];
@@ -1320,6 +1279,72 @@ std::tuple<int64_t, double> screen_greedy(const torch::Tensor& x_in, const torch
   const double gap = static_cast<double>(tbest) - std::max<double>(tsecond, rest);
   if (!(gap > margin)) return {-1, 0.0};
   return {best, lp_bound};
+}
+
+}  // namespace
+#endif
+
+// The greedy pick of each row of final states x (B x K) over the
+// vocabulary without the float32 product of every column (GreedyScreen in
+// rowgemm.py): the int8 copy of the projection (w8, pack_i8) gives every
+// column an estimate a[n] and a bound e[n] on |t[n] - a[n]|, t[n] the value
+// the float32 panels (w32) give (the products' contract).  With
+// Q = the int8 kernel's 16-bit scale, sx = max|x| / Q, s[n] the row's int8
+// scale, l1[n] = sum_k |W[n][k]| (rounded up):
+//   e[n] = (s[n] / 2 |x|_1 + (sx / 2) (l1[n] + K s[n] / 2)) (1 + 2^-10)
+//          + (K + 8) 2^-23 (max|x| l1[n] + |a[n]| + |b[n]|)
+// (the int8 weight's and the 16-bit input's rounding, then every float32
+// rounding of both products, doubled).  Every column but ``pad`` with
+// a[n] + e[n] >= tau = max over them of a[n] - e[n] gets its exact t[n]
+// (its panel through the products' own one-row block: bitwise the value the
+// products give); every other column is below tau, and tau is at most the
+// best exact value.  The pick is certified when the
+// best exact value exceeds every other candidate's and every other
+// column's bound a[n] + e[n] by more than 2^-14 (16 + |t| / T + (max(a + e)
+// / T + log V) + cum_bound) times the temperature T: then no float32
+// rounding of the log-softmax or of a running score up to ``cum_bound`` in
+// magnitude can tie it with another column or put one above it.  Returns
+// (the column, or -1 where not certified or x is not finite; lp_bound =
+// max(a + e) / T + log V - t / T, at least the magnitude of the pick's
+// log-prob), per row: two lists of B.  The int8 estimates of all B rows
+// come from one product (each weight read once); each row's estimate,
+// bound and pick depend on that row alone (its own 16-bit scale), so a
+// row's result is the one it gets screened alone.  ``cum_bounds``: one per
+// row.  ``scales``: the int8 rows' scales, pack_i8_scales(w8).
+std::tuple<std::vector<int64_t>, std::vector<double>> screen_greedy(
+    const torch::Tensor& x_in, const torch::Tensor& w8, const torch::Tensor& w32, int64_t vocab,
+    const c10::optional<torch::Tensor>& bias, const torch::Tensor& scales, const torch::Tensor& l1, int64_t pad,
+    double temperature, const std::vector<double>& cum_bounds) {
+#ifdef ROWGEMM_X86
+  auto x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "screen_greedy: x must be B x K float32 rows");
+  const int64_t B = x.size(0), K = x.size(1), V = vocab;
+  TORCH_CHECK(static_cast<int64_t>(cum_bounds.size()) == B, "screen_greedy: one cum_bound per row (", B,
+              "), not ", cum_bounds.size());
+  TORCH_CHECK(w8.scalar_type() == torch::kChar && w8.size(1) == K + kScaleRows, "screen_greedy: w8 is not int8 panels of K ", K);
+  check_packed(w32, V);
+  check_packed(w8, V);
+  TORCH_CHECK(w32.scalar_type() == torch::kFloat, "screen_greedy: w32 must be float32 panels");
+  TORCH_CHECK(w32.size(1) == K, "screen_greedy: w32 has K ", w32.size(1), ", x has ", K);
+  TORCH_CHECK(scales.numel() == V && l1.numel() == V, "screen_greedy: scales and l1 need one value per column");
+  TORCH_CHECK(pad >= 0 && pad < V, "screen_greedy: pad ", pad, " is not a column of ", V);
+  const float* xs = x.data_ptr<float>();
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() >= V, "screen_greedy: the bias has fewer than ", V, " values");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t lda = w8.size(0) * kLanes;
+  std::vector<float> a(static_cast<size_t>(B * lda));
+  if (B > 0) linear_raw_i8(xs, B, K, w8.data_ptr<int8_t>(), w8.size(0), b, 0, a.data(), V, lda);
+  std::vector<float> e(static_cast<size_t>(V));
+  std::vector<int64_t> candidates, columns(static_cast<size_t>(B));
+  std::vector<double> bounds(static_cast<size_t>(B));
+  for (int64_t r = 0; r < B; ++r)
+    std::tie(columns[r], bounds[r]) = screen_row(xs + r * K, K, a.data() + r * lda, V, w32.data_ptr<float>(), b,
+                                                 scales.data_ptr<float>(), l1.data_ptr<float>(), pad, temperature,
+                                                 cum_bounds[r], e, candidates);
+  return {columns, bounds};
 #else
   TORCH_CHECK(false, "rowgemm: built without x86-64 support");
 #endif
@@ -1550,7 +1575,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pass_log_probs", &pass_log_probs,
         "the end of decoder_pass from its final states: the projection, the temperature, the float32 log-softmax");
   m.def("screen_greedy", &screen_greedy,
-        "one row's certified greedy column from the int8 copy of the projection and exact float32 candidates, or -1");
+        "each row's certified greedy column from the int8 copy of the projection and exact float32 candidates, or -1");
   m.def("decoder_steps", &decoder_steps,
         "a self-drafter's greedy steps: each row's best non-pad pick and its log-prob, fed through decoder_pass "
         "while any row stays sure");
