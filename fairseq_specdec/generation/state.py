@@ -29,6 +29,8 @@ class Feedback:
 
     def newest_states(self) -> Tensor:
         """B x C: for each row, the verifier state that predicted its newest token."""
+        if self.features.size(1) == 1:  # a pass of one slot a row (no drafts): every row added one token
+            return self.features[:, 0]
         index = (self.n_new - 1).view(-1, 1, 1).expand(-1, 1, self.features.size(-1))
         return self.features.gather(1, index).squeeze(1)
 
