@@ -153,7 +153,7 @@ def test_screened_decoding_is_bitwise_the_unscreened_one_and_beam1(toy, beam1_re
     model, task = toy
     options = H.OPTION_SETS[opts]
     plain_gen, plain = _decode(model, task, off=("screen",), **options)
-    assert plain_gen.screened is None
+    assert plain_gen.screened is None and "screened" not in plain_gen.stats.summary()
     gen, got = _decode(model, task, **options)
     assert gen.screened is not None
     assert_identical(plain, got, atol=0)
@@ -177,6 +177,9 @@ def test_temperature_and_batches_whose_rows_finish(toy):
     gen8, got8 = _decode(model, task, bsz=8)
     assert gen8.screened.screened > 0
     assert max(gen8.rows_screened) == gen8.screened.max_rows == 4 and min(gen8.rows_screened) == 1
+    # the statistics line counts them
+    assert (gen8.stats.screened, gen8.stats.uncertified) == (gen8.screened.screened, gen8.screened.uncertified)
+    assert f"greedy steps screened {gen8.screened.screened}, not certified" in gen8.stats.summary()
     assert_identical(plain8, got8, atol=0)
     for refuse_every in (2, 3):
         _, refused8 = _decode(model, task, bsz=8, refuse_every=refuse_every)

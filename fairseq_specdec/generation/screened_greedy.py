@@ -81,8 +81,15 @@ class ScreenedGreedy:
         #: steps screened, and steps whose pick was not certified (the statistics)
         self.screened = 0
         self.uncertified = 0
+        self._taken = (0, 0)
         #: the counts of a screened step, by the rows' EOS picks, per device (read only)
         self._counts = {}
+
+    def take_counts(self) -> Tuple[int, int]:
+        """``(screened, uncertified)`` since the last call (the statistics line's)."""
+        counts = (self.screened - self._taken[0], self.uncertified - self._taken[1])
+        self._taken = (self.screened, self.uncertified)
+        return counts
 
     def applies(self, state, max_len: int, host_checks: bool) -> bool:
         """Whether an iteration with no drafts is screened."""

@@ -232,6 +232,8 @@ class SpeculativeGenerator:
                 break
             state.keep(keep)
 
+        if self.screened is not None:
+            self.stats.add_screened(*self.screened.take_counts())
         if self.progress is not None and self.progress.decoded(bsz):
             self.stats.report()
         return finalized

@@ -28,6 +28,10 @@ class SpecDecStats:
         self.tokens = 0
         self.iterations = 0
         self.histogram: Counter = Counter()
+        #: greedy steps screened (picked from the int8 copy of the projection), and those whose pick was not
+        #: certified (computed as ordinary steps)
+        self.screened = 0
+        self.uncertified = 0
         self.path = path
         self._file = None
         if path:
@@ -63,6 +67,11 @@ class SpecDecStats:
                 + "\n"
             )
 
+    def add_screened(self, screened: int, uncertified: int) -> None:
+        """Count screened greedy steps (see ``generation/screened_greedy.py``)."""
+        self.screened += screened
+        self.uncertified += uncertified
+
     @property
     def mean_accepted(self) -> float:
         return self.tokens / self.iterations if self.iterations else 0.0
@@ -74,6 +83,8 @@ class SpecDecStats:
             f"{self.iterations} iterations, Tok. {self.mean_accepted:.4f}, "
             f"{self.iterations / max(self.sentences, 1):.2f} iterations/sentence; "
             f"tokens added per iteration (count:iterations) {hist}"
+            + (f"; greedy steps screened {self.screened}, not certified {self.uncertified}"
+               if self.screened or self.uncertified else "")
         )
 
     def report(self) -> None:
