@@ -20,10 +20,11 @@ every column, is **deferred**: the step's final states are kept, and
 :meth:`ScreenedGreedy.settle` projects all the rows' kept states at once
 (one product of B x T rows, which reads the float32 weights once) before
 anything reads the scores: the next step that is not screened, and any
-row's hypothesis (so before a finished row leaves the state). A row's projection, log-softmax, positional scores and
-running score (summed in float32 one token at a time) are bitwise those
-of the step that would have computed them (the products' contract: a row's
-result depends on that row alone).
+row's hypothesis (so before a finished row leaves the state). A row's
+projection, log-softmax, positional scores and running score (summed in
+float32 one token at a time) are bitwise those of the step that would have
+computed them (the products' contract: a row's result depends on that row
+alone).
 
 Invariant: while ``state.deferred`` holds entries, they belong to the
 state's rows as they are now (no row left since the first of them); each
