@@ -3,8 +3,9 @@ the pick from the int8 copy of the vocabulary projection and exact float32
 candidates, the scores deferred.
 
 * the screen's pick, where it certifies one, is the largest float32 value
-  of the kernel's product (pad excluded); near ties, exact ties, a pad
-  column above all, NaN inputs and a huge running score make it refuse;
+  of the kernel's product (pad and a banned column excluded); near ties,
+  exact ties, a pad column above all, NaN inputs and a huge running score
+  make it refuse;
   rows screened together get what each gets alone;
 * decodings with it are bitwise those without it (``FAIRSEQ_SPECDEC_OFF=screen``):
   tokens, positional scores and scores, also where picks are refused in the
@@ -103,6 +104,13 @@ def test_pad_nan_and_a_huge_running_score():
     assert _one(screen, x, 1, 1.0, 1e9)[0] < 0  # no margin survives the rounding of such a running score
     column, _ = _one(screen, x, 1, 0.5, 0.0)  # a temperature changes no order
     assert column in (-1, best)
+    # a banned column (EOS before --min-len) is never picked: the next best is, as fairseq's rule gives
+    columns, _ = screen(x.unsqueeze(0), 1, 1.0, [0.0], [best])
+    exact = out(x.unsqueeze(0))[0]
+    exact[1] = exact[best] = -math.inf
+    assert columns[0] in (-1, int(exact.argmax())) and columns[0] != best
+    with pytest.raises(RuntimeError, match="one ban per row"):
+        screen(torch.stack([x, x]), 1, 1.0, [0.0, 0.0], [-1])
 
 
 def test_rows_screened_together_get_what_each_gets_alone():

@@ -33,9 +33,10 @@ row's positional scores at their columns are placeholders and
 lengths, caches) is as after ordinary steps.
 
 A step is screened where :meth:`ScreenedGreedy.applies`: at most
-:attr:`ScreenedGreedy.MAX_ROWS` unfinished rows, no drafts, no length rule
-of fairseq's applies at its step to any row (``--min-len`` reached, the
-length limit not), the strict rule (the backend builds it only
+:attr:`ScreenedGreedy.MAX_ROWS` unfinished rows, no drafts, no row at the
+length limit (before ``--min-len`` the screen never picks EOS, as fairseq's
+rule sets its log-prob to -inf after the log-softmax: the pick's log-prob is
+unchanged), the strict rule (the backend builds it only
 for strict verification with the native acceptance step, so no
 ``--unkpen``). Where any row's pick is not certified (a near tie), the
 step's log-probs are projected from the same states and the ordinary
@@ -95,7 +96,7 @@ class ScreenedGreedy:
     def applies(self, state, max_len: int, host_checks: bool) -> bool:
         """Whether an iteration with no drafts is screened."""
         return (host_checks and 0 < state.size <= self.max_rows and self.verifier.screens
-                and all(self.rules.min_len <= n < max_len for n in state.lengths_host))
+                and all(n < max_len for n in state.lengths_host))
 
     def __call__(self, state, tokens: Tensor) -> Tuple[Optional[StepResult], Optional[Tensor]]:
         """The pass over each row's newest token (``tokens``: B x 1; its final
@@ -108,7 +109,9 @@ class ScreenedGreedy:
         deferred = state.deferred
         if deferred is None:
             deferred = state.deferred = DeferredScores([abs(c) for c in state.cum.tolist()])
-        columns, lp_bounds = self.verifier.screen(rows, self.rules.pad, self.verifier.temperature, deferred.bounds)
+        rules = self.rules
+        bans = [rules.eos if n < rules.min_len else -1 for n in state.lengths_host]  # --min-len: no EOS yet
+        columns, lp_bounds = self.verifier.screen(rows, rules.pad, self.verifier.temperature, deferred.bounds, bans)
         if min(columns) < 0:
             self.uncertified += 1
             self.settle(state)

@@ -313,15 +313,19 @@ class GreedyScreen:
         # each row's absolute sum, rounded up (the bound must not be too small)
         self.l1 = weight.double().abs().sum(1).mul(1 + 2 ** -20).float()
 
-    def __call__(self, features: Tensor, pad: int, temperature: float,
-                 cum_bounds: List[float]) -> Tuple[List[int], List[float]]:
+    def __call__(self, features: Tensor, pad: int, temperature: float, cum_bounds: List[float],
+                 bans: Optional[List[int]] = None) -> Tuple[List[int], List[float]]:
         """``(columns, lp_bounds)`` for the rows of final ``features``
-        (B x C): each row's certified greedy column (never ``pad``), or -1,
-        and a bound on the magnitude of its log-prob (what the running score
-        may grow by); ``cum_bounds``: a bound on each row's running score."""
+        (B x C): each row's certified greedy column (never ``pad``, nor the
+        row's ``bans`` entry: a column the length rules forbid, or -1), or
+        -1, and a bound on the magnitude of its log-prob (what the running
+        score may grow by); ``cum_bounds``: a bound on each row's running
+        score."""
         out = self.output
+        if bans is None:
+            bans = [-1] * features.size(0)
         return _ext.screen_greedy(features, self.int8, out.packed, out.out_features, out.bias, self.scales, self.l1,
-                                  int(pad), float(temperature), [float(c) for c in cum_bounds])
+                                  int(pad), float(temperature), [float(c) for c in cum_bounds], bans)
 
 
 def decoder_steps_available() -> bool:

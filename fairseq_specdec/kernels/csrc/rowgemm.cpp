@@ -1224,7 +1224,7 @@ namespace {
 // screen_greedy for one row: x (K floats), a (its int8 estimates, V + padding), the rest as screen_greedy.
 // Returns (the column or -1, lp_bound).
 std::tuple<int64_t, double> screen_row(const float* xs, int64_t K, float* a, int64_t V, const float* w,
-                                       const float* b, const float* sc, const float* l1p, int64_t pad,
+                                       const float* b, const float* sc, const float* l1p, int64_t pad, int64_t ban,
                                        double temperature, double cum_bound, std::vector<float>& e,
                                        std::vector<int64_t>& candidates) {
   float amax = 0.0f;
@@ -1243,8 +1243,9 @@ std::tuple<int64_t, double> screen_row(const float* xs, int64_t K, float* a, int
   const float relf = static_cast<float>(rel * grow);
   // pad is never a candidate: a[pad] = -inf makes e[pad] = inf, a - e = -inf and a + e = NaN, which
   // _mm256_max_ps(x, acc) and std::max(acc, x) pass over (they return acc when x is NaN) and no
-  // comparison admits
+  // comparison admits; nor is ``ban`` (a column the length rules forbid at this step), the same way
   a[pad] = -std::numeric_limits<float>::infinity();
+  if (ban >= 0) a[ban] = -std::numeric_limits<float>::infinity();
   float tau, top;
   screen_bounds(a, sc, l1p, b, V, alpha, beta, relf, e.data(), &tau, &top);
   if (!std::isfinite(tau) || !std::isfinite(top)) return {-1, 0.0};
@@ -1310,17 +1311,21 @@ std::tuple<int64_t, double> screen_row(const float* xs, int64_t K, float* a, int
 // come from one product (each weight read once); each row's estimate,
 // bound and pick depend on that row alone (its own 16-bit scale), so a
 // row's result is the one it gets screened alone.  ``cum_bounds``: one per
-// row.  ``scales``: the int8 rows' scales, pack_i8_scales(w8).
+// row.  ``bans``: one per row, a column the length rules forbid in this
+// step (EOS before --min-len), never picked and no competitor (as ``pad``),
+// or -1.  ``scales``: the int8 rows' scales, pack_i8_scales(w8).
 std::tuple<std::vector<int64_t>, std::vector<double>> screen_greedy(
     const torch::Tensor& x_in, const torch::Tensor& w8, const torch::Tensor& w32, int64_t vocab,
     const c10::optional<torch::Tensor>& bias, const torch::Tensor& scales, const torch::Tensor& l1, int64_t pad,
-    double temperature, const std::vector<double>& cum_bounds) {
+    double temperature, const std::vector<double>& cum_bounds, const std::vector<int64_t>& bans) {
 #ifdef ROWGEMM_X86
   auto x = x_in.contiguous();
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "screen_greedy: x must be B x K float32 rows");
   const int64_t B = x.size(0), K = x.size(1), V = vocab;
   TORCH_CHECK(static_cast<int64_t>(cum_bounds.size()) == B, "screen_greedy: one cum_bound per row (", B,
               "), not ", cum_bounds.size());
+  TORCH_CHECK(static_cast<int64_t>(bans.size()) == B, "screen_greedy: one ban per row (", B, "), not ", bans.size());
+  for (const int64_t ban : bans) TORCH_CHECK(ban >= -1 && ban < vocab, "screen_greedy: ban ", ban, " is not a column");
   TORCH_CHECK(w8.scalar_type() == torch::kChar && w8.size(1) == K + kScaleRows, "screen_greedy: w8 is not int8 panels of K ", K);
   check_packed(w32, V);
   check_packed(w8, V);
@@ -1342,7 +1347,7 @@ std::tuple<std::vector<int64_t>, std::vector<double>> screen_greedy(
   std::vector<double> bounds(static_cast<size_t>(B));
   for (int64_t r = 0; r < B; ++r)
     std::tie(columns[r], bounds[r]) = screen_row(xs + r * K, K, a.data() + r * lda, V, w32.data_ptr<float>(), b,
-                                                 scales.data_ptr<float>(), l1.data_ptr<float>(), pad, temperature,
+                                                 scales.data_ptr<float>(), l1.data_ptr<float>(), pad, bans[r], temperature,
                                                  cum_bounds[r], e, candidates);
   return {columns, bounds};
 #else
