@@ -347,9 +347,13 @@ class LeanVerifier(VerifyPass):
         """The profiler's parts (``VerifyPass.timed_parts``); where the whole
         pass runs as one call, the vocabulary projection runs inside it and
         is timed only in the passes that still call it (a ragged pass that
-        projects some slots only, or one with the native layers off)."""
+        projects some slots only, or one with the native layers off); where
+        steps are screened, the ordinary pass need not be called (every step
+        of a greedy decoding at batch 1 may be screened)."""
         for part in super().timed_parts(k):
-            yield (*part[:3], False) if self.one_call and part[1] == "logits" else part
+            # with the screen, greedy decoding at batch 1 may never make an ordinary pass
+            optional = (self.one_call and part[1] == "logits") or (self.screening and part[1] == "forward")
+            yield (*part[:3], False) if optional else part
         if self.screening:
             yield self, "final_states", "verifier pass, screened pick (1 token)", False
             yield self, "log_probs", "verifier vocabulary projection of screened steps (settled, or not certified)", False
