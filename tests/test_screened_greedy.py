@@ -144,8 +144,8 @@ def _decode(model, task, off=(), refuse_every=0, bsz=1, **opts):
 
     def sometimes(self, features, *args):
         count[0] += 1
-        gen_rows.append(features.size(0))
         rows = features.size(0)
+        gen_rows.append(rows)
         return ([-1] * rows, [0.0] * rows) if refuse_every and count[0] % refuse_every == 0 else \
             real(self, features, *args)
 

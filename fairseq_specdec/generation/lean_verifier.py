@@ -351,7 +351,6 @@ class LeanVerifier(VerifyPass):
         steps are screened, the ordinary pass need not be called (every step
         of a greedy decoding at batch 1 may be screened)."""
         for part in super().timed_parts(k):
-            # with the screen, greedy decoding at batch 1 may never make an ordinary pass
             optional = (self.one_call and part[1] == "logits") or (self.screening and part[1] == "forward")
             yield (*part[:3], False) if optional else part
         if self.screening:

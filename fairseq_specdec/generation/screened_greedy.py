@@ -121,7 +121,7 @@ class ScreenedGreedy:
         deferred.columns.append([n + 1 for n in state.lengths_host])
         deferred.tokens.append(columns)
         deferred.bounds = [b + lp for b, lp in zip(deferred.bounds, lp_bounds)]
-        eos = tuple(int(c == self.rules.eos) for c in columns)
+        eos = tuple(int(c == rules.eos) for c in columns)
         counts = self._counts.get((eos, tokens.device))
         if counts is None:
             n = len(eos)

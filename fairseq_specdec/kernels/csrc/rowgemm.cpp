@@ -1083,6 +1083,17 @@ torch::Tensor pass_inputs(const torch::Tensor& tokens, const c10::optional<torch
 
 }  // namespace
 
+// The end of a pass from its final states x (... x C): the vocabulary
+// projection, the temperature and the float32 log-softmax.  A row's values
+// depend on that row alone, so states of several passes projected together
+// give bitwise each pass's log-probs (screened greedy steps settle so).
+torch::Tensor pass_log_probs(const torch::Tensor& x, const torch::Tensor& out_packed, int64_t vocab,
+                             const c10::optional<torch::Tensor>& out_bias, double temperature) {
+  torch::Tensor logits = linear(x, out_packed, vocab, out_bias, 0);
+  if (temperature != 1.0) logits = logits.div_(temperature);
+  return at::log_softmax(logits, -1, torch::kFloat);
+}
+
 // A whole verify pass of the decoder in one call, for the fused path of
 // LeanVerifier.forward (lean_verifier.py), which decides when it applies: the
 // new tokens' inputs, every layer (decoder_layer), the optional final layer
@@ -1102,17 +1113,6 @@ torch::Tensor pass_inputs(const torch::Tensor& tokens, const c10::optional<torch
 // (heads, scaling, c_heads, c_scaling, normalize_before, eps); keys, values,
 // cross_keys, cross_values: per layer.  Returns (log-probs B x m x V float32,
 // the last layer's output after the final norm, B x m x C).
-// The end of a pass from its final states x (... x C): the vocabulary
-// projection, the temperature and the float32 log-softmax.  A row's values
-// depend on that row alone, so states of several passes projected together
-// give bitwise each pass's log-probs (screened greedy steps settle so).
-torch::Tensor pass_log_probs(const torch::Tensor& x, const torch::Tensor& out_packed, int64_t vocab,
-                             const c10::optional<torch::Tensor>& out_bias, double temperature) {
-  torch::Tensor logits = linear(x, out_packed, vocab, out_bias, 0);
-  if (temperature != 1.0) logits = logits.div_(temperature);
-  return at::log_softmax(logits, -1, torch::kFloat);
-}
-
 std::tuple<torch::Tensor, torch::Tensor> decoder_pass(
     const torch::Tensor& tokens, const c10::optional<torch::Tensor>& depths, const std::vector<int64_t>& starts,
     const torch::Tensor& embed_w, double embed_scale, const c10::optional<torch::Tensor>& pos_table,
@@ -1295,7 +1295,8 @@ std::tuple<int64_t, double> screen_row(const float* xs, int64_t K, float* a, int
 //   e[n] = (s[n] / 2 |x|_1 + (sx / 2) (l1[n] + K s[n] / 2)) (1 + 2^-10)
 //          + (K + 8) 2^-23 (max|x| l1[n] + |a[n]| + |b[n]|)
 // (the int8 weight's and the 16-bit input's rounding, then every float32
-// rounding of both products, doubled).  Every column but ``pad`` with
+// rounding of both products, doubled).  Every column but ``pad`` (and the
+// row's ban) with
 // a[n] + e[n] >= tau = max over them of a[n] - e[n] gets its exact t[n]
 // (its panel through the products' own one-row block: bitwise the value the
 // products give); every other column is below tau, and tau is at most the
