@@ -58,20 +58,28 @@ class FixedRows(RowsRule):
 
 class _Bucket:
     """What :class:`MeasuredRows` knows of one size of batch: per mode
-    (drafting or not) the iterations timed and the moving average of
-    seconds per committed token; the trial in progress; when to try the
-    losing mode again."""
+    (drafting or not) the iterations timed and the moving averages of an
+    iteration's seconds and of its committed tokens (their ratio is the
+    mode's cost per token: the ratio of the sums, not the mean of each
+    iteration's ratio, which would count a drafting iteration that committed
+    one token as heavily as one that committed ten); the trial in progress;
+    when to try the losing mode again."""
 
-    __slots__ = ("cost", "count", "trial", "trial_left", "visits", "retry_at", "wait")
+    __slots__ = ("seconds", "tokens", "count", "trial", "trial_left", "visits", "retry_at", "wait")
 
     def __init__(self, first_wait: int):
-        self.cost: Dict[bool, float] = {}
+        self.seconds: Dict[bool, float] = {}
+        self.tokens: Dict[bool, float] = {}
         self.count = {True: 0, False: 0}
         self.trial: Optional[bool] = None  # the mode being measured now
         self.trial_left = 0  # its iterations still to time
         self.visits = 0
         self.wait = first_wait
         self.retry_at = first_wait
+
+    def cost(self, mode: bool) -> float:
+        """Seconds per committed token of ``mode`` (measured at least once)."""
+        return self.seconds[mode] / self.tokens[mode]
 
     def start_trial(self, mode: bool, least: int) -> bool:
         """Time ``mode`` for ``least`` iterations, its average started anew
@@ -84,7 +92,7 @@ class _Bucket:
         return self.count[mode] >= least
 
     def drafting_wins(self, least: int) -> bool:
-        return self.measured(True, least) and self.measured(False, least) and self.cost[True] < self.cost[False]
+        return self.measured(True, least) and self.measured(False, least) and self.cost(True) < self.cost(False)
 
 
 class MeasuredRows(RowsRule):
@@ -93,16 +101,19 @@ class MeasuredRows(RowsRule):
     drafting (the default for strict decodings on a CPU).
 
     A verify pass of k + 1 tokens for every row costs more than a pass of
-    one token, and more so the more rows it holds; whether the drafts it
-    accepts pay for that depends on the drafter, the model, the machine and
-    the batch, so it is measured rather than set.  Batches are grouped by
-    their unfinished rows (exactly up to 8 rows, then in steps of about
-    sqrt(2)); for each group the rule keeps, for drafting and for not
-    drafting, a moving average of the seconds an iteration took per token
-    it committed (the loop's own timings, :meth:`observe`):
+    one token, and more so the more rows it holds; on a CPU an iteration
+    without drafts is cheaper still where its greedy pick is screened (the
+    int8 copy of the vocabulary projection: ``ScreenedGreedy``), at one row
+    as at four.  Whether the drafts a pass accepts pay for that depends on
+    the drafter, the model, the machine and the batch, so it is measured
+    rather than set, for a batch of one sentence as for larger ones.
+    Batches are grouped by their unfinished rows (exactly up to 8 rows,
+    then in steps of about sqrt(2)); a sentence decoded alone and the last
+    row of a larger batch share the group of one row.  For each group the
+    rule keeps, for drafting and for not drafting, moving averages of an
+    iteration's seconds and of the tokens it committed, whose ratio is the
+    mode's cost per token (the loop's own timings, :meth:`observe`):
 
-    * a batch of one sentence always drafts: the decoding asked for is
-      what runs (the rows left at the end of a larger batch are measured);
     * a group is first measured without drafting (a batch starts with all
       its rows, so the large groups are measured first), then drafting is
       tried there for ``least`` iterations (the trial), but only once
@@ -144,8 +155,6 @@ class MeasuredRows(RowsRule):
         return self.buckets[group]
 
     def drafts_at(self, rows: int, batch: int) -> bool:
-        if batch <= 1:
-            return True
         group = self.group(rows)
         b = self._bucket(group)
         b.visits += 1
@@ -158,7 +167,7 @@ class MeasuredRows(RowsRule):
             if smaller < 1 or (smaller in self.buckets and self.buckets[smaller].drafting_wins(self.least)):
                 return b.start_trial(True, self.least)
             return False
-        winner = b.cost[True] < b.cost[False]
+        winner = b.cost(True) < b.cost(False)
         if b.visits >= b.retry_at:
             b.wait = min(2 * b.wait, self.MOST_WAIT)
             b.retry_at = b.visits + b.wait
@@ -166,11 +175,14 @@ class MeasuredRows(RowsRule):
         return winner
 
     def observe(self, rows: int, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
-        if batch <= 1 or tokens <= 0:
+        if tokens <= 0:
             return
         b = self._bucket(self.group(rows))
-        cost = seconds / tokens
-        b.cost[drafted] = cost if b.count[drafted] == 0 else (1 - self.ALPHA) * b.cost[drafted] + self.ALPHA * cost
+        if b.count[drafted] == 0:
+            b.seconds[drafted], b.tokens[drafted] = seconds, float(tokens)
+        else:
+            b.seconds[drafted] += self.ALPHA * (seconds - b.seconds[drafted])
+            b.tokens[drafted] += self.ALPHA * (tokens - b.tokens[drafted])
         b.count[drafted] += 1
         if b.trial is not None and b.trial == drafted:  # a trial lasts ``least`` iterations of its mode
             b.trial_left -= 1
@@ -178,7 +190,7 @@ class MeasuredRows(RowsRule):
                 b.trial = None
 
     def describe(self) -> str:
-        return "a batch of several sentences drafts only where measured to be faster"
+        return "drafts only where measured to commit tokens faster than not drafting, at every batch size"
 
 
 class DraftLengthPolicy:
