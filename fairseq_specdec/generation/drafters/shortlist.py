@@ -18,7 +18,10 @@ class ShortlistProjection:
     ``num_types``).  A type left out only costs a rejected draft, never a
     wrong output.
 
-    After :meth:`start_batch`: ``bias`` (N: the projection's bias or zeros,
+    :meth:`start_batch` only keeps its arguments: the batch's projection is
+    made at its first use (a batch that never drafts, as the loop decides
+    where drafting does not pay, never makes it).  After that: ``bias``
+    (N: the projection's bias or zeros,
     -inf at the ``never`` types) and ``vocab`` (the N type ids: the frequent
     types in dictionary order, then the batch's other source types; None for
     every type).  The weight's layout for the frequent (or every) type is
@@ -34,8 +37,8 @@ class ShortlistProjection:
         self.size = size if 0 < size < num_types else 0
         self.joined = joined
         self.never = never
-        self.vocab: Optional[Tensor] = None
-        self.bias: Optional[Tensor] = None
+        self._vocab: Optional[Tensor] = None
+        self._bias: Optional[Tensor] = None
         # the frequent (or every) type's layout, callable on x: a rowgemm.PackedLinear where the kernel runs
         self._base = None
         self._extra_t: Optional[Tensor] = None  # C x E: the batch's other source types
@@ -44,8 +47,31 @@ class ShortlistProjection:
         self._transposed = TransposedWeight()
         self._static = {}  # (padded extra types, dtype, device) -> fixed buffers (make_static)
         self._first = None  # ((types, dtype, device), their ids, their zero bias with -inf at never types)
+        self._pending = None  # start_batch's arguments, until the batch's projection is made
 
     def start_batch(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
+        """A new batch, whose source tokens are ``src_tokens`` (all its rows,
+        whichever finish first) and whose projection is ``weight`` and
+        ``bias``: made at the first call that reads it."""
+        self._pending = (weight, bias, src_tokens)
+
+    @property
+    def vocab(self) -> Optional[Tensor]:
+        self._made()
+        return self._vocab
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        self._made()
+        return self._bias
+
+    def _made(self) -> None:
+        """The pending batch's projection, made now (nothing if made)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._make(*pending)
+
+    def _make(self, weight: Tensor, bias: Optional[Tensor], src_tokens: Tensor) -> None:
         base = weight[: self.size] if self.size else weight
         if self.kernels.products and rowgemm.applies_to(weight):
             self._base = self._packed.get(base)
@@ -58,7 +84,7 @@ class ShortlistProjection:
             ids = torch.arange(base.size(0), device=weight.device)
             self._first = (key, ids, self._never_masked(torch.zeros(ids.size(0), dtype=weight.dtype, device=weight.device), ids))
         _, ids, zero_bias = self._first
-        self.vocab, self._extra_t = None, None
+        self._vocab, self._extra_t = None, None
         extra = None
         if self.size:
             if self.joined:
@@ -69,16 +95,16 @@ class ShortlistProjection:
                     ids = torch.cat([ids, extra])
                 else:
                     extra = None
-            self.vocab = ids
+            self._vocab = ids
         if bias is not None:
-            self.bias = self._never_masked(bias.detach().index_select(0, ids), ids)
+            self._bias = self._never_masked(bias.detach().index_select(0, ids), ids)
         elif extra is None:
-            self.bias = zero_bias
+            self._bias = zero_bias
         else:
             tail = torch.zeros(extra.size(0), dtype=weight.dtype, device=weight.device)
             if any(t >= self.size for t in self.never):  # a never type can be among the source's types
                 tail = self._never_masked(tail, extra)
-            self.bias = torch.cat([zero_bias, tail])
+            self._bias = torch.cat([zero_bias, tail])
 
     def _never_masked(self, bias: Tensor, ids: Tensor) -> Tensor:
         """``bias`` with -inf where ``ids`` is one of the never types."""
@@ -93,34 +119,36 @@ class ShortlistProjection:
         extra types padded to a multiple of ``step`` (a padding column has a
         zero weight, bias -inf and never wins).  Returns the padded count of
         extra types (the buffers' key)."""
+        self._made()
         if not self.size:
             return 0
-        base = self.bias.size(0) - (self._extra_t.size(1) if self._extra_t is not None else 0)
-        extra = self.bias.size(0) - base
+        base = self._bias.size(0) - (self._extra_t.size(1) if self._extra_t is not None else 0)
+        extra = self._bias.size(0) - base
         padded = -(-extra // step) * step
         buffers = self._static
-        key = (padded, self.bias.dtype, self.bias.device)
+        key = (padded, self._bias.dtype, self._bias.device)
         if key not in buffers:
             buffers[key] = {
-                "extra_t": None if padded == 0 else torch.zeros(self._extra_t.size(0), padded, dtype=self.bias.dtype,
-                                                              device=self.bias.device),
-                "bias": torch.empty(base + padded, dtype=self.bias.dtype, device=self.bias.device),
-                "vocab": torch.empty(base + padded, dtype=torch.long, device=self.bias.device),
+                "extra_t": None if padded == 0 else torch.zeros(self._extra_t.size(0), padded, dtype=self._bias.dtype,
+                                                              device=self._bias.device),
+                "bias": torch.empty(base + padded, dtype=self._bias.dtype, device=self._bias.device),
+                "vocab": torch.empty(base + padded, dtype=torch.long, device=self._bias.device),
             }
         buf = buffers[key]
         buf["bias"].fill_(-math.inf)
-        buf["bias"][: base + extra] = self.bias
+        buf["bias"][: base + extra] = self._bias
         buf["vocab"].fill_(self.never[0] if self.never else 0)
-        buf["vocab"][: base + extra] = self.vocab
+        buf["vocab"][: base + extra] = self._vocab
         if buf["extra_t"] is not None:
             buf["extra_t"].zero_()
             if self._extra_t is not None:
                 buf["extra_t"][:, :extra] = self._extra_t
-        self.bias, self.vocab, self._extra_t = buf["bias"], buf["vocab"], buf["extra_t"]
+        self._bias, self._vocab, self._extra_t = buf["bias"], buf["vocab"], buf["extra_t"]
         return padded
 
     def __call__(self, x: Tensor) -> Tensor:
         """``x @ weight[vocab].t() + bias`` over the last axis of ``x``."""
+        self._made()
         out = self._base(x)
         if self._extra_t is not None:
             out = torch.cat([out, torch.matmul(x, self._extra_t)], dim=-1)
@@ -128,6 +156,7 @@ class ShortlistProjection:
 
     def types(self, index: Tensor) -> Tensor:
         """Type ids of positions ``index`` along the projected axis."""
+        self._made()
         return self.vocab[index] if self.vocab is not None else index
 
     def pick(self, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -137,6 +166,7 @@ class ShortlistProjection:
         (:func:`~fairseq_specdec.kernels.rowgemm.draft_pick`, a vectorized
         exp), else ``log_softmax`` and ``max`` of :meth:`__call__`; the two
         round differently, which changes drafts at most."""
+        self._made()
         if self.kernels.pick and isinstance(self._base, rowgemm.PackedLinear) and x.dtype == torch.float32 \
                 and rowgemm.draft_pick_available():
             best, lprobs = rowgemm.draft_pick(x, self._base, self._extra_t, self.bias)
