@@ -78,7 +78,7 @@ class LeanEncoder:
             raise ValueError(f"the lean encoder cannot run this encoder: {reason}")
         self.encoder = encoder
         self.layers: List[rowgemm.FusedEncoderLayer] = []
-        self._weights = WeightsWatch(rowgemm.weights_fingerprint if rowgemm.weights_fingerprint_available() else None)
+        self._weights = WeightsWatch()
         self._parameters = ModuleParameters(encoder.layers)
 
     def __call__(self, net_input) -> Dict[str, List[Tensor]]:

@@ -267,9 +267,7 @@ class LeanVerifier(VerifyPass):
         self.layers = []
         #: the weights the layouts below are made from, watched once per batch
         #: for every pass laid out from them (this verifier's and its int8 copy's)
-        native = self.gemm == "rowgemm" and rowgemm.weights_fingerprint_available()
-        self._weights = shared_watch(self.decoder, f"lean pass layers, projection {self._projection is not None}",
-                                     fingerprint=rowgemm.weights_fingerprint if native else None)
+        self._weights = shared_watch(self.decoder, f"lean pass layers, projection {self._projection is not None}")
         self._built: Optional[int] = None  # the weights' generation the layouts were made from
         self._layer_parameters = ModuleParameters(self.decoder.layers)
         self.keys: List[Tensor] = []

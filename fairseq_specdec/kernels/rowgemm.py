@@ -127,18 +127,6 @@ def packed_pairs(linears) -> list:
     return [(p.packed, packed_bias(p)) for p in linears]
 
 
-def weights_fingerprint_available() -> bool:
-    """Whether :func:`weights_fingerprint` runs here (the extension is built and current)."""
-    return unavailable_reason() is None and hasattr(_ext, "weights_fingerprint")
-
-
-def weights_fingerprint(weights: List[Tensor], samples: int) -> Tensor:
-    """What :class:`~fairseq_specdec.utils.projection.WeightsWatch` compares
-    of CPU ``weights`` (data pointer, version, dtype, sizes, ``samples``
-    evenly spaced elements' bits), as one int64 tensor, in one call."""
-    return _ext.weights_fingerprint(weights, samples)
-
-
 def fused_layer_available() -> bool:
     """Whether the extension has the fused decoder layer (an older build may not)."""
     return unavailable_reason() is None and hasattr(_ext, "decoder_layer")

@@ -20,7 +20,7 @@ layouts are made from are looked at once per scope for all of them
 """
 import weakref
 from contextlib import contextmanager
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +55,10 @@ def _scope_epoch():
 
 
 def _sampled_values(weight: Tensor) -> Tensor:
-    """:data:`SAMPLES` values of ``weight``, evenly spaced over its elements: a view of its
+    """16 values of ``weight``, evenly spaced over its elements: a view of its
     own storage when it is contiguous (it then follows in-place changes)."""
     flat = weight.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // SAMPLES)][:SAMPLES]
+    return flat[:: max(1, flat.numel() // 16)][:16]
 
 
 def _version(weight: Tensor) -> int:
@@ -69,34 +69,20 @@ def _version(weight: Tensor) -> int:
     return -1 if weight.is_inference() else weight._version
 
 
-#: values of each weight a :class:`WeightsWatch` compares
-SAMPLES = 16
-
-
 class WeightsWatch:
     """Tells whether any of a list of weights (on one device) changed since the
-    last look: its storage, version, dtype, device, shape or :data:`SAMPLES`
-    sampled values.
+    last look: its storage, version, dtype, device, shape or 16 sampled values.
 
     The sampled values of a contiguous weight are read through a view of its
     storage kept from the last look (the view keeps that storage alive too);
     all weights' values are then gathered by one ``torch.cat`` and compared
     with one ``torch.equal``: two tensor operations and one host read for
-    the whole list, however many weights it holds.
+    the whole list, however many weights it holds."""
 
-    ``fingerprint`` (optional, for weights on the CPU only: the native
-    kernels' ``weights_fingerprint``, which the generation layer passes
-    where they run): ``fingerprint(weights, SAMPLES)`` returns one tensor of
-    the same facts and values (the bits of the same sampled elements), then
-    compared with the last one by one ``torch.equal``; a weight not on the
-    CPU is refused by it."""
-
-    def __init__(self, fingerprint: Optional[Callable[[List[Tensor], int], Tensor]] = None):
+    def __init__(self):
         self._meta = None
         self._views = None
         self._values = None
-        self._fingerprint = fingerprint
-        self._last = None  # the last fingerprint
         #: how many times the weights were seen changed (0: never looked)
         self.generation = 0
 
@@ -113,13 +99,6 @@ class WeightsWatch:
         """Whether ``weights`` differ from those of the last call (True at the
         first call); remembers them either way."""
         weights = list(weights)
-        if self._fingerprint is not None:
-            now = self._fingerprint(weights, SAMPLES)
-            if self._last is not None and torch.equal(now, self._last):
-                return False
-            self._last = now
-            self.generation += 1
-            return True
         meta = self._meta_of(weights)
         if meta == self._meta and (not weights or torch.equal(self._read(weights), self._values)):
             return False
@@ -140,8 +119,8 @@ class SharedWatch:
     differs; the weights are then taken to be constant inside a scope, as
     :class:`DerivedWeight` takes them."""
 
-    def __init__(self, fingerprint=None):
-        self.watch = WeightsWatch(fingerprint)
+    def __init__(self):
+        self.watch = WeightsWatch()
         self._epoch = None
 
     @property
@@ -162,14 +141,11 @@ class SharedWatch:
 _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def shared_watch(owner: torch.nn.Module, what: str, fingerprint=None) -> SharedWatch:
+def shared_watch(owner: torch.nn.Module, what: str) -> SharedWatch:
     """The :class:`SharedWatch` of the weights ``what`` names of ``owner``
-    (made at the first call, with ``fingerprint``: :class:`WeightsWatch`):
-    every caller naming the same ``what`` must list the same weights of it."""
-    watches = _SHARED.setdefault(owner, {})
-    if what not in watches:
-        watches[what] = SharedWatch(fingerprint)
-    return watches[what]
+    (made at the first call): every caller naming the same ``what`` must
+    list the same weights of it."""
+    return _SHARED.setdefault(owner, {}).setdefault(what, SharedWatch())
 
 
 class ModuleParameters:

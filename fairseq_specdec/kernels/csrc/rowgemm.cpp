@@ -1646,44 +1646,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 void move_cache_entries(const std::vector<at::Tensor>& caches, const at::Tensor& rows, const at::Tensor& src,
                         const at::Tensor& dst);
 
-// What WeightsWatch (fairseq_specdec/utils/projection.py) compares to tell
-// whether weights changed, for CPU tensors, in one call: per tensor its data
-// pointer, version (-1 for a tensor made under inference mode, which keeps
-// none), dtype, number of dimensions and sizes, then `samples` of its
-// elements' raw bits, evenly spaced over its elements in row-major order
-// (flat[::max(1, n / samples)][:samples], as the Python path samples them),
-// zero-extended to 64 bits.  The Python path costs about 2 us a tensor in
-// attribute reads and operations; this about 0.1 us.
-torch::Tensor weights_fingerprint(const std::vector<torch::Tensor>& tensors, int64_t samples) {
-  TORCH_CHECK(samples >= 1, "weights_fingerprint: samples must be at least 1");
-  std::vector<int64_t> out;
-  out.reserve(tensors.size() * (8 + samples));
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.device().is_cpu(), "weights_fingerprint: a tensor is not on the CPU");
-    out.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
-    out.push_back(t.is_inference() ? -1 : int64_t(t._version()));
-    out.push_back(int64_t(t.scalar_type()));
-    out.push_back(t.dim());
-    for (int64_t size : t.sizes()) out.push_back(size);
-    const int64_t n = t.numel(), step = std::max<int64_t>(1, n / samples);
-    const int64_t count = std::min<int64_t>(samples, (n + step - 1) / step);
-    const int64_t item = t.element_size(), dims = t.dim();
-    const char* base = static_cast<const char*>(t.data_ptr());
-    for (int64_t j = 0; j < count; ++j) {
-      int64_t flat = j * step, offset = 0;
-      for (int64_t d = dims - 1; d >= 0; --d) {  // the element's place through the tensor's strides
-        const int64_t size = t.size(d);
-        offset += (flat % size) * t.stride(d);
-        flat /= size;
-      }
-      uint64_t bits = 0;
-      std::memcpy(&bits, base + offset * item, std::min<int64_t>(item, 8));
-      out.push_back(static_cast<int64_t>(bits));
-    }
-  }
-  return torch::tensor(out, torch::kLong);
-}
-
 // csrc/step.cpp: the loop's commit of an iteration's tokens into the decoding state
 std::tuple<at::Tensor, at::Tensor> append_rows(at::Tensor& tokens, at::Tensor& pos_scores, const at::Tensor& lengths,
                                                const at::Tensor& new_tokens, const at::Tensor& new_lprobs,
@@ -1730,8 +1692,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "greedy picks, acceptance");
   m.def("move_cache_entries", &move_cache_entries,
         "after a draft tree's pass: each row's accepted cache entries moved to where a chain would have put them");
-  m.def("weights_fingerprint", &weights_fingerprint,
-        "per CPU tensor: data pointer, version, dtype, sizes and evenly spaced elements' bits (WeightsWatch)");
   m.def("append_rows", &append_rows,
         "the loop's commit: each row's new tokens and log-probs written after its length, in place; returns the new "
         "lengths and each row's newest token");
