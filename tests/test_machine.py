@@ -47,9 +47,6 @@ def test_describe_and_header_name_the_cpu_and_every_products_isa():
     assert info["plugin_isa"] == (kernels.isa() or "torch")
     line = machine.header(info)
     assert line.startswith(f"CPU: {info['cpu']} [") and f"plugin products: {info['plugin_isa']}" in line
-    assert info["weight_pages"] == kernels.huge_pages()
-    if info["weight_pages"] is not None:
-        assert f"{info['plugin_isa']}, packed weights in {info['weight_pages']};" in line
     assert "CTranslate2" not in line
     info["ctranslate2"] = {"version": "4.8.5", **machine.parse_ct2_log(CT2_LOG)}
     assert "CTranslate2 4.8.5 (ISA AVX512, float32 products MKL, int8 products MKL)" in machine.header(info)

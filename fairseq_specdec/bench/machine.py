@@ -10,9 +10,6 @@ interleaved run and roofline (and so of every report made from them).
 * ``plugin_isa``: the instruction set of the plugin's native products
   (:func:`fairseq_specdec.kernels.isa`), or ``"torch"`` where they cannot
   run (torch's products then);
-* ``weight_pages``: what the memory of the plugin's packed weights is
-  asked to be (:func:`fairseq_specdec.kernels.huge_pages`), or None
-  where its products cannot run;
 * ``torch``: torch's version and the CPU capability its own kernels use
   (``torch.backends.cpu.get_cpu_capability()``);
 * ``ctranslate2`` (when asked with a converted model): its version and what
@@ -100,7 +97,6 @@ def describe(ct2_model: Optional[str] = None) -> Dict:
     info = cpu_info()
     info["cores"] = os.cpu_count()
     info["plugin_isa"] = kernels.isa() or "torch"
-    info["weight_pages"] = kernels.huge_pages()
     info["torch"] = {"version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if ct2_model is not None:
         info["ctranslate2"] = ct2_info(ct2_model)
@@ -111,8 +107,7 @@ def header(info: Dict) -> str:
     """One line naming the machine, for a table's header."""
     features = ", ".join(info.get("cpu_features", [])) or "none of " + "/".join(FEATURES[:3])
     parts = [f"CPU: {info['cpu']} [{features}], {info.get('cores', '?')} logical CPUs",
-             f"plugin products: {info['plugin_isa']}" + (f", packed weights in {info['weight_pages']}"
-                                                          if info.get("weight_pages") else ""),
+             f"plugin products: {info['plugin_isa']}",
              f"torch {info['torch']['version']} ({info['torch']['cpu_capability']})"]
     ct2 = info.get("ctranslate2")
     if ct2 is not None:

@@ -41,7 +41,7 @@ from typing import Callable, FrozenSet, Optional, Tuple
 
 import torch
 
-from ..kernels import applies_to, check_parts, huge_pages, rowgemm, unavailable_reason
+from ..kernels import applies_to, check_parts, rowgemm, unavailable_reason
 from .accept_step import AcceptanceStep, FairseqRules, NativeStep, TensorStep, native_step_unavailable
 from .acceptance import StrictAcceptance
 from .drafters import NO_KERNELS, Drafter, DraftKernels, StaticDrafter
@@ -190,5 +190,4 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
                             steps="steps" not in off and rowgemm.decoder_steps_available())
     append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
     return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append, screen=screen,
-                   reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",
-                            f"packed weights in {huge_pages()}"), off=off)
+                   reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

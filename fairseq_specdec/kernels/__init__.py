@@ -18,14 +18,6 @@ and :func:`isa` says which runs.  The default is AVX2 until the AVX-512
 blocks are measured against it on an AVX-512 machine
 (docs/verify-kernels.md).
 
-**Pages.**  Packed weights are copied into memory the kernel is asked to
-back by 2 MiB pages (transparent huge pages), so that the weights a pass
-streams need a few page-table entries rather than thousands
-(``csrc/rowgemm.cpp``; what it gains: docs/performance.md).
-:data:`HUGE_PAGES_ENV` (``FAIRSEQ_SPECDEC_HUGE_PAGES=0``) turns that off,
-once, at import; :func:`huge_pages` says what the packed weights get here.
-Where a weight lies never changes a product.
-
 **Parts.**  :data:`PARTS` names the native parts the backend can be told
 not to use (``resolve_backend(..., off=...)``), so that the benchmark can
 measure what each one gains (its ``FAIRSEQ_SPECDEC_OFF`` rows:
@@ -103,25 +95,6 @@ def _select_isa() -> None:
 
 _select_isa()
 
-#: the environment variable that turns the packed weights' 2 MiB pages off (``0``) or on (``1``, the default)
-HUGE_PAGES_ENV = "FAIRSEQ_SPECDEC_HUGE_PAGES"
-#: where the kernel says whether it backs memory advised to it with huge pages
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def _select_pages() -> None:
-    """Apply :data:`HUGE_PAGES_ENV`, once, at import; a value other than
-    0 or 1 is refused by the variable's name."""
-    wanted = os.environ.get(HUGE_PAGES_ENV, "").strip()
-    if wanted not in ("", "0", "1"):
-        raise ValueError(f"{HUGE_PAGES_ENV}={wanted}: give 0 (packed weights in ordinary pages) or 1 (in 2 MiB "
-                         "pages, the default)")
-    if _SUPPORTED and hasattr(_ext, "set_huge_pages"):
-        _ext.set_huge_pages(wanted != "0")
-
-
-_select_pages()
-
 
 def unavailable_reason() -> Optional[str]:
     """Why the native kernels cannot run on this machine (None: they can)."""
@@ -147,24 +120,6 @@ def isa() -> Optional[str]:
     if unavailable_reason() is not None:
         return None
     return _ext.isa()
-
-
-def huge_pages() -> Optional[str]:
-    """What the packed weights' memory is asked to be: ``"2 MiB pages"``
-    followed by the kernel's transparent-huge-page setting in brackets
-    (``[madvise]``: given where asked, as here; ``[never]``: ordinary pages
-    after all), ``"4 KiB pages"`` where :data:`HUGE_PAGES_ENV` turned them
-    off; None where the kernels cannot run."""
-    if unavailable_reason() is not None:
-        return None
-    if not _ext.huge_pages():
-        return f"4 KiB pages ({HUGE_PAGES_ENV}=0)"
-    try:
-        with open(THP_SETTING) as f:
-            setting = next((word for word in f.read().split() if word.startswith("[")), "[unknown]")
-    except OSError:
-        setting = "[no transparent huge pages]"
-    return f"2 MiB pages (transparent huge pages {setting})"
 
 
 def applies_to(weight: Tensor) -> bool:

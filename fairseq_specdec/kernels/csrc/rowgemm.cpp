@@ -58,15 +58,10 @@
 
 #include "rowgemm_avx512.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 #include <tuple>
 #include <vector>
@@ -356,94 +351,8 @@ std::string select_isa(const std::string& name) {
   return isa_name(isa);
 }
 
-// Packed weights in 2 MiB pages.  A pass streams every packed weight once
-// per token; with 4 KiB pages that is one page-table walk every 64 cache
-// lines, and the demo model's 18 MB of weights span 4,500 pages, more than
-// the CPU's second-level TLB holds, so every pass walks them all again.  So
-// each packed weight is copied into memory the kernel is asked to back by
-// transparent huge pages (madvise MADV_HUGEPAGE, before the first touch):
-// chunks of whole, aligned 2 MiB pages mapped here, handed out in 4 KiB
-// slots one after the other (a weight larger than a chunk gets one of its
-// own).  A tensor's storage holds its chunk (shared_ptr in its deleter): a
-// chunk is unmapped when the last tensor in it is freed; the chunk being
-// filled is also held by the pool until the next one replaces it, so at
-// most one chunk of slots no longer in use stays mapped.  Where the kernel
-// gives no huge pages (transparent huge pages off, or none free) the memory
-// is ordinary pages, and where mapping fails the weight keeps torch's memory:
-// where a weight lies never changes a product.  Off: set_huge_pages(false)
-// (FAIRSEQ_SPECDEC_HUGE_PAGES=0, fairseq_specdec/kernels/__init__.py).
-namespace {
-
-constexpr size_t kHugePage = size_t(2) << 20;
-constexpr size_t kChunk = size_t(32) << 20;  // virtual: pages are touched (mapped) only when a weight is copied in
-constexpr size_t kSlot = 4096;
-
-struct PageChunk {
-  char* base = nullptr;
-  size_t size = 0;
-  size_t used = 0;
-  PageChunk(char* b, size_t n) : base(b), size(n) {}
-  ~PageChunk() { munmap(base, size); }
-};
-
-bool g_huge_pages = true;
-std::mutex g_pages_mutex;
-std::shared_ptr<PageChunk> g_chunk;  // the chunk being filled (guarded by g_pages_mutex)
-
-// bytes (a multiple of kHugePage) mapped at a kHugePage boundary, advised to huge pages; nullptr where mmap fails
-std::shared_ptr<PageChunk> map_chunk(size_t bytes) {
-  void* raw = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return nullptr;
-  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHugePage - 1) & ~(uintptr_t(kHugePage) - 1);
-  const size_t head = aligned - start, tail = kHugePage - head;
-  if (head) munmap(raw, head);
-  if (tail) munmap(reinterpret_cast<char*>(aligned) + bytes, tail);
-  madvise(reinterpret_cast<void*>(aligned), bytes, MADV_HUGEPAGE);  // refused where THP is off: ordinary pages
-  return std::make_shared<PageChunk>(reinterpret_cast<char*>(aligned), bytes);
-}
-
-// a contiguous copy of t in huge-page chunks (t itself where they are off or cannot be mapped)
-torch::Tensor in_huge_pages(const torch::Tensor& t) {
-  const size_t bytes = size_t(t.numel()) * t.element_size();
-  if (bytes == 0) return t;
-  const size_t need = (bytes + kSlot - 1) / kSlot * kSlot;
-  std::shared_ptr<PageChunk> chunk;
-  char* where = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_pages_mutex);
-    if (!g_huge_pages) return t;
-    if (need > kChunk) {  // a chunk of its own; the chunk being filled stays
-      chunk = map_chunk((need + kHugePage - 1) / kHugePage * kHugePage);
-    } else {
-      if (!g_chunk || g_chunk->size - g_chunk->used < need) g_chunk = map_chunk(kChunk);
-      chunk = g_chunk;
-    }
-    if (!chunk) return t;
-    where = chunk->base + chunk->used;
-    chunk->used += need;
-  }
-  auto out = torch::from_blob(where, t.sizes(), [chunk](void*) {}, t.options());
-  out.copy_(t);
-  return out;
-}
-
-}  // namespace
-
-// whether packed weights go to huge-page chunks from now on (weights packed before stay where they are)
-void set_huge_pages(bool on) {
-  std::lock_guard<std::mutex> lock(g_pages_mutex);
-  g_huge_pages = on;
-  if (!on) g_chunk.reset();
-}
-
-bool huge_pages() {
-  std::lock_guard<std::mutex> lock(g_pages_mutex);
-  return g_huge_pages;
-}
-
 // weight: N x K (an nn.Linear's weight) -> [ceil(N/8)][K][8], zero padded
-torch::Tensor pack_panels(const torch::Tensor& weight) {
+torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.device().is_cpu(),
               "rowgemm.pack: weight must be a 2-D float32 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1);
@@ -454,12 +363,9 @@ torch::Tensor pack_panels(const torch::Tensor& weight) {
   return padded.view({P, kLanes, K}).permute({0, 2, 1}).contiguous();
 }
 
-// the panels in huge-page chunks
-torch::Tensor pack(const torch::Tensor& weight) { return in_huge_pages(pack_panels(weight)); }
-
 // the same panels in bfloat16: each weight rounded to nearest, ties to even
 torch::Tensor pack_bf16(const torch::Tensor& weight) {
-  return in_huge_pages(pack_panels(weight).to(torch::kBFloat16));
+  return pack(weight).to(torch::kBFloat16);
 }
 
 // int8 panels with their scales: [P][K + 4][8] int8 (see the top of the file)
@@ -470,7 +376,7 @@ torch::Tensor pack_i8(const torch::Tensor& weight) {
   const int64_t P = (N + kLanes - 1) / kLanes;
   auto scales = std::get<0>(weight.abs().max(1)).div(127.0f).clamp_min(1e-12f);
   auto q = weight.div(scales.unsqueeze(1)).round().clamp(-127.0f, 127.0f);
-  auto panels = pack_panels(q).to(torch::kChar);  // [P][K][8], exact: integers within int8
+  auto panels = pack(q).to(torch::kChar);  // [P][K][8], exact: integers within int8
   const int64_t K = weight.size(1), even = K / 2 * 2;
   if (even > 0) {  // each pair of k-rows interleaved column by column: [P][K/2][8][2]
     auto pairs = panels.narrow(1, 0, even).reshape({P, even / 2, 2, kLanes}).transpose(2, 3).reshape({P, even, kLanes});
@@ -479,7 +385,7 @@ torch::Tensor pack_i8(const torch::Tensor& weight) {
   auto padded = torch::ones({P * kLanes}, weight.options());
   padded.narrow(0, 0, N).copy_(scales);
   auto scale_rows = padded.view({P, kLanes}).view(torch::kChar).view({P, kScaleRows, kLanes});
-  return in_huge_pages(torch::cat({panels, scale_rows}, 1).contiguous());
+  return torch::cat({panels, scale_rows}, 1).contiguous();
 }
 
 // the N row scales an int8 packed weight holds (pack_i8: the 4 k-rows of
@@ -1661,9 +1567,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the products run on here: avx512, avx2, avx512-emulated, or none");
   m.def("select_isa", &select_isa,
         "choose the products' instruction set ('' or auto: the default, avx2; avx2, avx512, avx512-emulated); returns it");
-  m.def("set_huge_pages", &set_huge_pages,
-        "whether weights packed from now on are copied into memory advised to 2 MiB pages (default on)");
-  m.def("huge_pages", &huge_pages, "whether packed weights go to memory advised to 2 MiB pages");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
