@@ -6,6 +6,8 @@ and strict draft-verify decoding with it identical to fairseq's --beam 1
 (fixed k, adaptive draft length, confidence cut, float32 and bfloat16
 drafter weights, batch 1 and 16).
 """
+import math
+
 import pytest
 import torch
 
@@ -307,6 +309,24 @@ def test_the_backend_decides_what_drafters_compute_natively(toy_bin):
     assert not resolve_backend("auto", verifier, strict, off={"pick"}).drafting.pick
     assert not resolve_backend("auto", verifier, strict, off={"block"}).drafting.block
     assert resolve_backend("auto", verifier, strict, off={"products"}).drafting == NO_KERNELS
+
+
+def test_shortlist_projection_is_the_batch_that_reads_it():
+    """A batch's projection is made when something reads it: a batch that
+    was started and never drafted leaves nothing behind, and the next
+    batch's projection holds its own weight and source types."""
+    from fairseq_specdec.generation.drafters import ShortlistProjection
+
+    torch.manual_seed(4)
+    first, second = torch.randn(50, 32), torch.randn(50, 32)
+    projection = ShortlistProjection(20, 50, True, (1,))
+    projection.start_batch(first, None, torch.tensor([[3, 31, 45, 2]]))  # never read
+    projection.start_batch(second, None, torch.tensor([[5, 22, 40, 2], [22, 9, 2, 0]]))
+    assert projection.vocab.tolist() == list(range(20)) + [22, 40]
+    x = torch.randn(3, 32)
+    expected = x @ second[projection.vocab].t()
+    expected[:, 1] = -math.inf  # the never type
+    assert torch.allclose(projection(x), expected, atol=1e-5)
 
 
 @pytest.mark.skipif(not rowgemm.draft_pick_available(), reason="the kernel or its draft_pick is not available")
