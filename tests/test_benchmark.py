@@ -84,9 +84,10 @@ def test_profile_script_profiles_loop_greedy_and_blockwise(toy_bin, ar_checkpoin
         if decoder == "loop-greedy":
             assert not any(name.startswith(("drafter", "blockwise")) for name in mine), sorted(mine)
         else:
-            # an iteration is an ordinary pass or a screened one (a step with no drafts: a sentence's first)
+            # an iteration is an ordinary pass or a screened one (a step with no drafts: a sentence's first,
+            # or any where drafting was measured not to pay); the heads draft in some of them
             passes = mine["verifier pass"]["calls"] + mine.get("verifier pass, screened pick", {"calls": 0})["calls"]
-            assert mine["blockwise heads"]["calls"] == passes == mine["other"]["calls"]
+            assert passes == mine["other"]["calls"] and 0 < mine["blockwise heads"]["calls"] <= passes
     assert "| loop-greedy | verifier pass" in proc.stdout
     assert not any("weight checks" in r["component"] for r in rows if r["decoder"] == "fairseq beam 1")
 
@@ -118,8 +119,10 @@ def test_profile_script_accounts_for_every_millisecond(toy_bin, ar_checkpoint, n
     assert {"encoder", "decoder step", "verifier encoder", "drafter pass", "verifier pass",
             "of which: drafter vocabulary projection"} <= names
     dv = {r["component"].split(" (")[0]: r for r in rows if r["decoder"] == "draft-verify strict"}
-    # one drafter pass and one verifier pass per iteration ("other" counts iterations)
-    assert dv["drafter pass"]["calls"] <= dv["verifier pass"]["calls"] == dv["other"]["calls"]
+    # at most one drafter pass per iteration; an iteration is an ordinary verify pass or a screened one
+    # (no drafts) ("other" counts iterations)
+    passes = dv["verifier pass"]["calls"] + dv.get("verifier pass, screened pick", {"calls": 0})["calls"]
+    assert 0 < dv["drafter pass"]["calls"] <= passes == dv["other"]["calls"]
     greedy = {r["component"].split(" (")[0]: r for r in rows if r["decoder"] == "fairseq beam 1"}
     assert greedy["decoder step"]["calls"] > greedy["encoder"]["calls"] == 20
     assert "| draft-verify strict | verifier pass" in proc.stdout
