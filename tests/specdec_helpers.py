@@ -413,6 +413,13 @@ def check_stats(stats, hyps, k):
 GEMMS = ["torch", "rowgemm"]
 
 
+def profiled_passes(by_name):
+    """The iterations of a profiled decoder (its rows of
+    scripts/profile-draft-verify.py's JSON keyed by component name before
+    " ("): its ordinary verify passes plus its screened greedy steps."""
+    return sum(by_name[name]["calls"] for name in ("verifier pass", "verifier pass, screened pick") if name in by_name)
+
+
 def gemm_available(gemm):
     from fairseq_specdec.kernels import rowgemm
 

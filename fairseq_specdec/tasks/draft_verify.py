@@ -129,8 +129,8 @@ class DraftVerifyConfig(TranslationConfig):
             "unfinished (one verifier token per row and iteration until then; 0 = no limit). Default, for a "
             "verifier on a CPU: with strict verification, measured: a batch of any number of unfinished rows, one "
             "sentence included, drafts only where the loop's own timings show that drafting commits tokens faster "
-            "than not drafting (docs/architecture.md; 0 makes every row draft); with relaxed verification (whose output depends on what is drafted) "
-            f"{DRAFT_MAX_ROWS_CPU}. No limit elsewhere. Strict output does not change"
+            "than not drafting (docs/architecture.md; 0 makes every row draft); with relaxed verification (whose "
+            f"output depends on what is drafted) {DRAFT_MAX_ROWS_CPU}. No limit elsewhere. Strict output does not change"
         },
     )
     draft_tree: Optional[int] = field(

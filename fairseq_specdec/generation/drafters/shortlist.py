@@ -152,12 +152,12 @@ class ShortlistProjection:
         out = self._base(x)
         if self._extra_t is not None:
             out = torch.cat([out, torch.matmul(x, self._extra_t)], dim=-1)
-        return out + self.bias
+        return out + self._bias
 
     def types(self, index: Tensor) -> Tensor:
         """Type ids of positions ``index`` along the projected axis."""
-        self._made()
-        return self.vocab[index] if self.vocab is not None else index
+        vocab = self.vocab
+        return vocab[index] if vocab is not None else index
 
     def pick(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         """The best type (an id of the dictionary) and its log-probability
@@ -169,7 +169,7 @@ class ShortlistProjection:
         self._made()
         if self.kernels.pick and isinstance(self._base, rowgemm.PackedLinear) and x.dtype == torch.float32 \
                 and rowgemm.draft_pick_available():
-            best, lprobs = rowgemm.draft_pick(x, self._base, self._extra_t, self.bias)
+            best, lprobs = rowgemm.draft_pick(x, self._base, self._extra_t, self._bias)
         else:
             lprobs, best = torch.log_softmax(self(x).float(), dim=-1).max(dim=-1)
         return self.types(best), lprobs
