@@ -416,8 +416,10 @@ GEMMS = ["torch", "rowgemm"]
 def profiled_passes(by_name):
     """The iterations of a profiled decoder (its rows of
     scripts/profile-draft-verify.py's JSON keyed by component name before
-    " ("): its ordinary verify passes plus its screened greedy steps."""
-    return sum(by_name[name]["calls"] for name in ("verifier pass", "verifier pass, screened pick") if name in by_name)
+    " ("): its ordinary verify passes plus its calls of screened greedy
+    steps (one or more steps each)."""
+    return sum(by_name[name]["calls"] for name in ("verifier pass", "verifier pass, screened greedy steps")
+               if name in by_name)
 
 
 def gemm_available(gemm):

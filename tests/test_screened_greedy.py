@@ -7,14 +7,19 @@ candidates, the scores deferred.
   exact ties, a pad column above all, NaN inputs and a huge running score
   make it refuse;
   rows screened together get what each gets alone;
-* decodings with it are bitwise those without it (``FAIRSEQ_SPECDEC_OFF=screen``):
-  tokens, positional scores and scores, also where picks are refused in the
-  middle of a sentence and with a temperature, the length rules and
+* decodings with it are bitwise those without it (``FAIRSEQ_SPECDEC_OFF=screen``),
+  with its runs of steps in one call and without them
+  (``FAIRSEQ_SPECDEC_OFF=runs``): tokens, positional scores and scores,
+  also where picks are refused at a run's first step and in the middle of
+  one (a model with an exact tie), with a temperature, the length rules and
   ``--min-len``, and in batches whose last rows are screened together while
   rows finish; and equal fairseq's ``--beam 1``;
+* runs are for iterations that draft nothing by design: a drafter that was
+  asked and proposed nothing gets one step an iteration;
 * the backend builds it for strict verification with the native step only.
 """
 import math
+from copy import deepcopy
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ import specdec_helpers as H
 from specdec_helpers import assert_identical, run_generator
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import NoDrafter, StrictAcceptance, TopBetaAcceptance, resolve_backend
+from fairseq_specdec.generation.drafters import Drafter
 from fairseq_specdec.kernels import rowgemm
 
 pytestmark = pytest.mark.skipif(not rowgemm.screen_available(), reason="the extension has no screened pick here")
@@ -136,62 +142,141 @@ def toy(verifier):
     return verifier
 
 
-def _decode(model, task, off=(), refuse_every=0, bsz=1, **opts):
-    """``refuse_every``: every so many screened picks are refused (as at a near tie)."""
-    gen = H.make_generator(model, NoDrafter(), task.target_dictionary, 4, off=off, **opts)
-    real, count = rowgemm.GreedyScreen.__call__, [0]
-    gen_rows = []  # the rows of each screened pass
+@pytest.fixture(scope="module")
+def tied(verifier):
+    """The toy verifier with a near tie made exact: the vocabulary
+    projection's row of the type its greedy outputs pick most (after EOS)
+    copied into a type they never pick, so that every step whose best is that
+    type has two equal largest columns, which the screen never certifies
+    (fairseq's top-2 decides them): refused picks in the middle of sentences
+    and of runs of steps, as near ties give."""
+    model, task = verifier
+    d = task.target_dictionary
+    out = run_generator(H.make_generator(model, NoDrafter(), d, 1, off=("screen",)), model, H.batches(task, "test", 8))
+    counts = torch.bincount(torch.cat([h["tokens"] for h in out.values()]), minlength=len(d))
+    counts[d.eos()] = -1
+    common = int(counts.argmax())
+    spare = next(t for t in range(d.nspecial, len(d)) if counts[t] == 0)
+    copy = deepcopy(model)
+    with torch.no_grad():
+        weight = copy.decoder.output_projection.weight
+        weight[spare] = weight[common]
+    return copy, task
 
-    def sometimes(self, features, *args):
-        count[0] += 1
-        rows = features.size(0)
-        gen_rows.append(rows)
-        return ([-1] * rows, [0.0] * rows) if refuse_every and count[0] % refuse_every == 0 else \
-            real(self, features, *args)
 
+class Runs:
+    """Records every run of screened steps: (rows, steps asked, steps
+    certified, passes)."""
+
+    def __init__(self, patch):
+        self.calls = []
+        real = rowgemm.DecoderPass.screened_steps
+
+        def recorded(pass_, tokens, n, *args, **kwargs):
+            picks, bounds, features = real(pass_, tokens, n, *args, **kwargs)
+            self.calls.append((tokens.size(0), n, picks.size(1), features.size(1)))
+            return picks, bounds, features
+
+        patch.setattr(rowgemm.DecoderPass, "screened_steps", recorded)
+
+
+def _decode(model, task, drafter=None, off=(), bsz=1, k=4, **opts):
+    """The generator, its output on the test split and its :class:`Runs`."""
+    gen = H.make_generator(model, drafter or NoDrafter(), task.target_dictionary, k, off=off, **opts)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rowgemm.GreedyScreen, "__call__", sometimes)
+        runs = Runs(patch)
         out = run_generator(gen, model, H.batches(task, "test", bsz))
-    gen.rows_screened = gen_rows
-    return gen, out
+    return gen, out, runs
 
 
 @pytest.mark.parametrize("opts", ["default", "max_len_3", "min_len_15"])
 def test_screened_decoding_is_bitwise_the_unscreened_one_and_beam1(toy, beam1_reference, opts):
     model, task = toy
     options = H.OPTION_SETS[opts]
-    plain_gen, plain = _decode(model, task, off=("screen",), **options)
+    plain_gen, plain, _ = _decode(model, task, off=("screen",), **options)
     assert plain_gen.screened is None and "screened" not in plain_gen.stats.summary()
-    gen, got = _decode(model, task, **options)
-    assert gen.screened is not None
+    for off in ((), ("runs",)):
+        gen, got, runs = _decode(model, task, off=off, **options)
+        assert gen.screened is not None
+        assert_identical(plain, got, atol=0)
+        assert_identical(beam1_reference(opts, 1), got)
+        if opts != "max_len_3":
+            assert gen.screened.screened > 0
+            # loop-greedy runs several steps a call, each ending at the sentence's EOS; one a call with runs off
+            assert max(n for _, n, _, _ in runs.calls) == (1 if off else gen.screened.max_steps)
+            if not off:
+                assert max(s for _, _, s, _ in runs.calls) > 1
+        # every pass a one-token iteration in the statistics, whatever the calls
+        assert gen.stats.iterations == gen.stats.tokens
+
+
+def test_refused_picks_inside_runs_of_steps(tied):
+    """A pick refused at a run's first step takes the ordinary step; one
+    refused after certified steps ends the run, and the next iteration
+    takes that step again, alone: every output bitwise that of the
+    unscreened decoding and fairseq's --beam 1, at batch 1 and 8, with
+    runs and without."""
+    model, task = tied
+    for bsz in (1, 8):
+        _, plain, _ = _decode(model, task, off=("screen",), bsz=bsz)
+        reference = run_generator(H.seq_gen(model, task.target_dictionary, H.OPTION_SETS["default"]), model,
+                                  H.batches(task, "test", bsz))
+        assert_identical(reference, plain)
+        for off in ((), ("runs",)):
+            gen, got, runs = _decode(model, task, off=off, bsz=bsz)
+            assert_identical(plain, got, atol=0)
+            assert gen.screened.uncertified > 0
+            assert any(s == 0 for _, _, s, _ in runs.calls)  # refused at a run's first step
+            if not off:
+                # refused after certified steps: that pass is returned, not kept
+                assert any(0 < s and t == s + 1 for _, _, s, t in runs.calls)
+
+
+class _ProposesNothing(Drafter):
+    """A drafter that is asked and never proposes (but does not declare
+    that it never drafts)."""
+
+    def describe(self):
+        return "proposes nothing"
+
+    def start_batch(self, state):
+        pass
+
+    def propose(self, state, k):
+        return state.tokens.new_zeros((state.size, 0)), None
+
+    def reorder(self, order, order_host):
+        pass
+
+
+def test_a_drafter_that_was_asked_gets_one_step_an_iteration(toy):
+    """Runs are for iterations that draft nothing by design: a drafter that
+    was asked and proposed nothing is asked again at the next token."""
+    model, task = toy
+    _, plain, _ = _decode(model, task, off=("screen",))
+    gen, got, runs = _decode(model, task, drafter=_ProposesNothing())
     assert_identical(plain, got, atol=0)
-    assert_identical(beam1_reference(opts, 1), got)
-    if opts != "max_len_3":
-        assert gen.screened.screened > 0
-    for refuse_every in (2, 3):
-        _, refused = _decode(model, task, refuse_every=refuse_every, **options)
-        assert_identical(plain, refused, atol=0)
+    assert gen.screened.screened > 0 and {n for _, n, _, _ in runs.calls} == {1}
 
 
 def test_temperature_and_batches_whose_rows_finish(toy):
     model, task = toy
     opts = dict(max_len_a=0, max_len_b=200, min_len=1, temperature=0.7)
-    _, plain = _decode(model, task, off=("screen",), **opts)
-    gen, got = _decode(model, task, **opts)
+    _, plain, _ = _decode(model, task, off=("screen",), **opts)
+    gen, got, _ = _decode(model, task, **opts)
     assert gen.screened.screened > 0
     assert_identical(plain, got, atol=0)
     # batches of 8: their last (up to 4) unfinished rows are screened together, also while rows finish
-    _, plain8 = _decode(model, task, off=("screen",), bsz=8)
-    gen8, got8 = _decode(model, task, bsz=8)
+    _, plain8, _ = _decode(model, task, off=("screen",), bsz=8)
+    gen8, got8, runs8 = _decode(model, task, bsz=8)
     assert gen8.screened.screened > 0
-    assert max(gen8.rows_screened) == gen8.screened.max_rows == 4 and min(gen8.rows_screened) == 1
+    rows = [r for r, _, _, _ in runs8.calls]
+    assert max(rows) == gen8.screened.max_rows == 4 and min(rows) == 1
+    assert any(r > 1 and s > 1 for r, _, s, _ in runs8.calls)  # several rows, several steps, one call
     # the statistics line counts them
     assert (gen8.stats.screened, gen8.stats.uncertified) == (gen8.screened.screened, gen8.screened.uncertified)
     assert f"greedy steps screened {gen8.screened.screened}, not certified" in gen8.stats.summary()
     assert_identical(plain8, got8, atol=0)
-    for refuse_every in (2, 3):
-        _, refused8 = _decode(model, task, bsz=8, refuse_every=refuse_every)
-        assert_identical(plain8, refused8, atol=0)
 
 
 def test_the_backend_screens_strict_native_steps_only(toy):

@@ -80,8 +80,11 @@ class StepResult(NamedTuple):
     ``n_new``; later columns are scratch), their log-probs, ``n_new``, the
     running score ``cum`` after them, the ``counts`` the loop reads back in
     one read (4 x B: tokens added, finished, drafts accepted, drafts
-    verified) and, after a draft tree, ``path``: the slot each appended
-    token was picked at (B x (1 + D); None after a chain)."""
+    verified), after a draft tree ``path``: the slot each appended
+    token was picked at (B x (1 + D); None after a chain), and ``passes``:
+    the verifier passes the result is made of, each of which appended one
+    token to every row (a run of screened greedy steps:
+    :mod:`~fairseq_specdec.generation.screened_greedy`), or 1: one pass."""
 
     new_tokens: Tensor
     new_lprobs: Tensor
@@ -89,6 +92,7 @@ class StepResult(NamedTuple):
     cum: Tensor
     counts: Tensor
     path: Optional[Tensor] = None
+    passes: int = 1
 
 
 class AcceptanceStep(ABC):

@@ -85,6 +85,9 @@ class Backend:
     #: greedy steps at batch 1 without the float32 vocabulary product
     #: (:mod:`~fairseq_specdec.generation.screened_greedy`; strict rule, native step)
     screen: bool = False
+    #: the most screened greedy steps an iteration that drafts nothing by design runs in one call
+    #: (``ScreenedGreedy.run_length``; 1: a step an iteration)
+    screen_run: int = ScreenedGreedy.MAX_STEPS
     reasons: Tuple[str, ...] = ()
     off: FrozenSet[str] = field(default_factory=frozenset)
 
@@ -100,7 +103,7 @@ class Backend:
         or None where the backend has none."""
         if not self.screen or not isinstance(rule, StrictAcceptance) or rules.unk_penalty != 0:
             return None
-        return ScreenedGreedy(self.verifier, rules)
+        return ScreenedGreedy(self.verifier, rules, max_steps=self.screen_run)
 
     def runners(self, drafter: Drafter, trees: bool) -> tuple:
         """``(eager, whole)``: the runner of every iteration, and the runner
@@ -119,7 +122,9 @@ class Backend:
                  f"acceptance step {'native' if self.fused_accept else 'torch'}",
                  f"commit {'native' if self.append is not None else 'torch'}"]
         if self.screen:
-            parts.append(f"screened greedy steps of up to {ScreenedGreedy.MAX_ROWS} rows")
+            parts.append(f"screened greedy steps of up to {ScreenedGreedy.MAX_ROWS} rows"
+                         + (f", up to {self.screen_run} in one call where nothing is drafted" if self.screen_run > 1
+                            else ""))
         if self.drafting.products:
             parts.append(f"drafters native ({self.drafting.precision} weights)")
         if self.iteration is not None:
@@ -189,5 +194,6 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     drafting = DraftKernels(products=True, precision=precision, pick="pick" not in off, block="block" not in off,
                             steps="steps" not in off and rowgemm.decoder_steps_available())
     append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
+    run = 1 if "runs" in off else ScreenedGreedy.MAX_STEPS
     return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append, screen=screen,
-                   reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)
+                   screen_run=run, reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .accept_step import AcceptanceStep, StepResult
 from .draft_policy import DraftLengthPolicy
-from .drafters import Drafter
+from .drafters import Drafter, NeverDrafts
 from .screened_greedy import ScreenedGreedy
 from .tree import DraftTree, chain_tree
 from .verify_pass import VerifyPass
@@ -44,13 +44,18 @@ class Iteration:
         self.screened = screened
         self.block_size, self.tree_nodes = block_size, tree_nodes
         self.pad, self.eos = pad, eos
+        #: the drafter declares that it never drafts (:class:`~fairseq_specdec.generation.drafters.NeverDrafts`)
+        self.never_drafts = isinstance(drafter, NeverDrafts)
         #: the empty draft of each batch size and device (read only: nothing changes a chain's tokens)
         self._no_drafts = {}
 
     def draft_width(self, state, max_len: int) -> int:
         """How many tokens deep the drafter may propose this iteration:
         ``--block-size``, within the length limit, the drafter's positions
-        and the draft policy (0: no drafts)."""
+        and the draft policy (0: no drafts; always for a drafter that never
+        drafts)."""
+        if self.never_drafts:
+            return 0
         k = max(0, min(self.block_size, max_len - min(state.lengths_host)))
         limit = self.drafter.max_positions
         if limit is not None:
@@ -73,7 +78,8 @@ class Iteration:
         screened = self.screened
         out = None
         if screened is not None and drafts.size == 0 and screened.applies(state, max_len, host_checks):
-            out, lprobs = screened(state, tokens)  # lprobs: None where the pick is certified
+            steps = screened.run_length(state, max_len) if k == 0 else 1  # k > 0: the drafter was asked
+            out, lprobs = screened(state, tokens, steps)  # lprobs: None where a step is certified
         else:
             if screened is not None:
                 screened.settle(state)  # the step below reads the running scores

@@ -20,7 +20,7 @@ Only the layer types of fairseq's Transformer are accepted
 everything else.
 """
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -354,7 +354,7 @@ class LeanVerifier(VerifyPass):
             optional = (self.one_call and part[1] == "logits") or (self.screening and part[1] == "forward")
             yield (*part[:3], False) if optional else part
         if self.screening:
-            yield self, "final_states", "verifier pass, screened pick (1 token)", False
+            yield self, "screened_steps", "verifier pass, screened greedy steps (one or more a call)", False
             yield self, "log_probs", "verifier vocabulary projection of screened steps (settled, or not certified)", False
 
     @property
@@ -492,26 +492,38 @@ class LeanVerifier(VerifyPass):
 
     @property
     def screens(self) -> bool:
-        """Whether :meth:`final_states` and :attr:`screen` can run: the
-        screen is made (see :attr:`screen`), the fused layers are in use and
-        the decoder is not training."""
+        """Whether :meth:`screened_steps` can run: the screen is made (see
+        :attr:`screen`), the fused layers are in use and the decoder is not
+        training."""
         return self.screen is not None and self.use_fused and not self.decoder.training
 
-    def final_states(self, tokens: Tensor, state) -> Tensor:
-        """The pass of :meth:`forward` over a chain (no ``needed``, no
-        tree) up to the final states (B x m x C, also ``last_features``),
-        without the vocabulary projection: the caches are written as by
-        :meth:`forward`, and :meth:`log_probs` of the states gives bitwise
-        its log-probs.  Where :attr:`screens`."""
+    def screened_steps(self, tokens: Tensor, state, n: int, pad: int, eos: int, min_len: int,
+                       cum_bounds: List[float]) -> Tuple[Tensor, List[float], Tensor]:
+        """Up to ``n`` greedy steps of the rows from their newest ``tokens``
+        (B x 1), each the pass of :meth:`forward` over one token a row up to
+        its final states and :attr:`screen`'s certified pick, in one call
+        (:meth:`~fairseq_specdec.kernels.rowgemm.DecoderPass.screened_steps`,
+        which says when the steps end; where :attr:`screens`).  Returns
+        ``(picks B x s, the rows' running-score bounds after them, the final
+        states B x t x C)``, ``t`` being ``s`` or ``s + 1`` (a last pass
+        whose picks were not certified); :meth:`log_probs` of a pass's
+        states gives bitwise its log-probs.  ``last_features`` holds the
+        certified steps' states (all ``t`` where ``s`` is 0).  The caches
+        hold every pass's entries, as after ``t`` calls of :meth:`forward`
+        with the picks; those of an uncertified last pass lie past the rows'
+        lengths (scratch, the cache invariant)."""
         lengths_host = state.lengths_host
-        self._prepare(state, max(lengths_host) + tokens.size(1))
-        _, self.last_features = self.whole_pass(tokens, None, lengths_host, tree=None, project=False,
-                                                **self._whole_pass_memory(self._enc_pad(len(lengths_host))))
-        return self.last_features
+        self._prepare(state, max(lengths_host) + n)
+        picks, bounds, features = self.whole_pass.screened_steps(
+            tokens, n, pad, eos, min_len, lengths_host, cum_bounds, self.screen,
+            **self._whole_pass_memory(self._enc_pad(len(lengths_host))))
+        steps = picks.size(1)
+        self.last_features = features[:, :steps] if steps else features
+        return picks, bounds, features
 
     def log_probs(self, features: Tensor) -> Tensor:
         """:meth:`forward`'s log-probs of final states (... x C) from
-        :meth:`final_states`, of one pass or of several stacked."""
+        :meth:`screened_steps`, of one pass or of several stacked."""
         return self.whole_pass.log_probs(features, self.temperature)
 
     @property

@@ -41,6 +41,20 @@ for strict verification with the native acceptance step, so no
 ``--unkpen``). Where any row's pick is not certified (a near tie), the
 step's log-probs are projected from the same states and the ordinary
 acceptance step runs.
+
+**Runs of steps.** Where an iteration drafts nothing by design (the drafter
+never drafts, as ``--decoding loop-greedy``'s, or the draft policy or a
+length limit leaves it no draft), its screened steps run several in one
+call of the extension (:meth:`ScreenedGreedy.run_length`): each step's
+picks are fed back as the next tokens until :attr:`ScreenedGreedy.MAX_STEPS`
+steps, a step in which any row picks EOS (so only a run's last step
+finishes rows), or a step whose picks are not all certified (that pass is
+not kept; the next iteration runs it again, alone, and takes the ordinary
+step). One iteration then appends the run's tokens at once, as one of
+accepted drafts; the statistics count each of its passes as an iteration
+of one token. The tokens, scores and caches are those of the steps one at
+a time.  The native part ``runs`` off (``FAIRSEQ_SPECDEC_OFF=runs``):
+every iteration one step.
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -54,37 +68,45 @@ from .accept_step import FairseqRules, StepResult
 
 @dataclass
 class DeferredScores:
-    """The rows' screened steps whose scores are not yet computed: per
-    step, the rows' final states (B x C), each row's column of
-    ``state.tokens`` its pick was written to, and the picks; ``bounds``,
-    per row, at least the magnitude its running score may have with them
-    (the settled score's plus each pick's bound)."""
+    """The rows' screened steps whose scores are not yet computed, in
+    blocks of consecutive steps: per block, the rows' final states
+    (B x t x C), the columns of ``state.tokens`` the picks were written to
+    (B x t) and the picks (B x t); ``bounds``, per row, at least the
+    magnitude its running score may have with them (the settled score's plus
+    each pick's bound)."""
 
     bounds: List[float]
     states: List[Tensor] = field(default_factory=list)
-    columns: List[List[int]] = field(default_factory=list)
-    tokens: List[List[int]] = field(default_factory=list)
+    columns: List[Tensor] = field(default_factory=list)
+    picks: List[Tensor] = field(default_factory=list)
 
 
 class ScreenedGreedy:
     """Screened greedy steps of one generator (see the module docstring):
     ``verifier`` a :class:`~fairseq_specdec.generation.lean_verifier.LeanVerifier`
-    whose ``screens`` holds, ``rules`` fairseq's rules of the run."""
+    whose ``screens`` holds, ``rules`` fairseq's rules of the run;
+    ``max_steps``: the most steps one iteration runs (in one call of the
+    extension) where it drafts nothing by design (see :meth:`run_length`)."""
 
     #: the most unfinished rows a screened step takes: a pass of so few
     #: one-token rows still waits on the weights, so the float32 projection
     #: it skips is mostly read time (docs/verify-kernels.md)
     MAX_ROWS = 4
+    #: the most screened steps one iteration runs where it drafts nothing by
+    #: design: enough that the loop's own work between the calls is a small
+    #: part of a sentence's steps
+    MAX_STEPS = 32
 
-    def __init__(self, verifier, rules: FairseqRules, max_rows: int = MAX_ROWS):
+    def __init__(self, verifier, rules: FairseqRules, max_rows: int = MAX_ROWS, max_steps: int = MAX_STEPS):
         self.verifier = verifier
         self.rules = rules
         self.max_rows = max_rows
+        self.max_steps = max_steps
         #: steps screened, and steps whose pick was not certified (the statistics)
         self.screened = 0
         self.uncertified = 0
         self._taken = (0, 0)
-        #: the counts of a screened step, by the rows' EOS picks, per device (read only)
+        #: the counts of a run of screened steps, by its steps and the rows' EOS picks, per device (read only)
         self._counts = {}
 
     def take_counts(self) -> Tuple[int, int]:
@@ -98,38 +120,50 @@ class ScreenedGreedy:
         return (host_checks and 0 < state.size <= self.max_rows and self.verifier.screens
                 and all(n < max_len for n in state.lengths_host))
 
-    def __call__(self, state, tokens: Tensor) -> Tuple[Optional[StepResult], Optional[Tensor]]:
-        """The pass over each row's newest token (``tokens``: B x 1; its final
-        states are the verifier's ``last_features``), then ``(result, None)``
-        where every row's pick is certified (their log-probs and running
-        scores deferred), else ``(None, log-probs)``: the pass's log-probs,
-        for the ordinary step, the deferred scores settled first."""
-        features = self.verifier.final_states(tokens, state)
-        rows = features.view(state.size, -1)
+    def run_length(self, state, max_len: int) -> int:
+        """The most steps an iteration that drafts nothing by design (the
+        drafter never drafts, or the draft policy or a length limit left it
+        no draft) runs where it :meth:`applies`: :attr:`max_steps`, and no
+        row past ``max_len - 1`` (the step at the limit is the ordinary
+        one).  An iteration whose drafter was asked and proposed nothing
+        runs one step: the drafter may propose at the next."""
+        return max(1, min(self.max_steps, max_len - max(state.lengths_host)))
+
+    def __call__(self, state, tokens: Tensor, steps: int = 1) -> Tuple[Optional[StepResult], Optional[Tensor]]:
+        """Up to ``steps`` greedy steps of every row from its newest token
+        (``tokens``: B x 1), in one call (their final states are the
+        verifier's ``last_features``).  Returns ``(result, None)`` where at
+        least one step's picks were all certified: the result appends them
+        (their log-probs and running scores deferred; the steps end after
+        any row's EOS, so only a last step finishes rows); else ``(None,
+        log-probs)``: the first pass's log-probs, for the ordinary step, the
+        deferred scores settled first."""
         deferred = state.deferred
         if deferred is None:
             deferred = state.deferred = DeferredScores([abs(c) for c in state.cum.tolist()])
         rules = self.rules
-        bans = [rules.eos if n < rules.min_len else -1 for n in state.lengths_host]  # --min-len: no EOS yet
-        columns, lp_bounds = self.verifier.screen(rows, rules.pad, self.verifier.temperature, deferred.bounds, bans)
-        if min(columns) < 0:
+        picks, bounds, features = self.verifier.screened_steps(tokens, state, steps, rules.pad, rules.eos,
+                                                               rules.min_len, deferred.bounds)
+        s = picks.size(1)
+        if s == 0:
             self.uncertified += 1
             self.settle(state)
             return None, self.verifier.log_probs(features)
-        self.screened += 1
-        deferred.states.append(rows)
-        deferred.columns.append([n + 1 for n in state.lengths_host])
-        deferred.tokens.append(columns)
-        deferred.bounds = [b + lp for b, lp in zip(deferred.bounds, lp_bounds)]
-        eos = tuple(int(c == rules.eos) for c in columns)
-        counts = self._counts.get((eos, tokens.device))
+        self.screened += s
+        deferred.states.append(features[:, :s])
+        first = torch.tensor(state.lengths_host, device=picks.device).unsqueeze(1) + 1
+        deferred.columns.append(first + torch.arange(s, device=picks.device) if s > 1 else first)
+        deferred.picks.append(picks)
+        deferred.bounds = bounds
+        eos = tuple(int(c == rules.eos) for c in picks[:, -1].tolist())
+        counts = self._counts.get((s, eos, picks.device))
         if counts is None:
             n = len(eos)
-            counts = self._counts[(eos, tokens.device)] = torch.tensor([[1] * n, list(eos), [0] * n, [0] * n],
-                                                                       device=tokens.device)
-        new_tokens = torch.tensor(columns, device=tokens.device).unsqueeze(1)
+            counts = self._counts[(s, eos, picks.device)] = torch.tensor([[s] * n, list(eos), [0] * n, [0] * n],
+                                                                         device=picks.device)
         # the log-probs are placeholders until settle(); the running scores stay the settled ones
-        return StepResult(new_tokens, state.pos_scores.new_zeros((state.size, 1)), counts[0], state.cum, counts), None
+        return StepResult(picks, state.pos_scores.new_zeros((state.size, s)), counts[0], state.cum, counts,
+                          passes=s), None
 
     def settle(self, state) -> None:
         """Compute the rows' deferred scores: their kept states' log-probs in
@@ -142,11 +176,10 @@ class ScreenedGreedy:
         state.deferred = None
         if not deferred.states:
             return
-        lprobs = self.verifier.log_probs(torch.stack(deferred.states, 1))  # B x T x V
-        device = lprobs.device
-        picks = torch.tensor(deferred.tokens, device=device).t()  # B x T
+        lprobs = self.verifier.log_probs(torch.cat(deferred.states, 1))  # B x T x V
+        picks = torch.cat(deferred.picks, 1)  # B x T
         picked = lprobs.gather(2, picks.unsqueeze(2)).squeeze(2)
-        state.pos_scores.scatter_(1, torch.tensor(deferred.columns, device=device).t(), picked)
+        state.pos_scores.scatter_(1, torch.cat(deferred.columns, 1), picked)
         cum = state.cum.numpy().astype(np.float32)  # a copy
         for value in picked.t().numpy():  # the rows' log-probs of one step, in order: float32 sums
             cum = cum + value

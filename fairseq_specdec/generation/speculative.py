@@ -220,8 +220,12 @@ class SpeculativeGenerator:
 
             # 5. retire finished rows
             keep = []
+            passes = out.passes  # a run of screened steps: one token a row each
             for i, row in enumerate(state.rows):
-                accepted[row].append(n_new_host[i])  # a final EOS included
+                if passes == 1:
+                    accepted[row].append(n_new_host[i])  # a final EOS included
+                else:
+                    accepted[row].extend([1] * passes)
                 if done_host[i]:
                     finalized[row] = self._finalize(state, i)
                     sample_id = ids_host[row]

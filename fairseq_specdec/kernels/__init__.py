@@ -42,6 +42,8 @@ PARTS = {
     "block": "the specdec_vsd drafter's input rows and block layers as calls of the kernel",
     "screen": "at batch 1, a step without drafts picks its greedy token from the int8 copy of the vocabulary "
               "projection and exact float32 candidates, its scores deferred (strict verification)",
+    "runs": "where an iteration drafts nothing by design (loop-greedy, or the draft policy's greedy iterations), "
+            "up to 32 screened greedy steps as one call (off: one screened step an iteration)",
     "steps": "the self-drafter's draft steps (each row's pick, the confidence test, the next pass) as one call",
     "graphs": "on a CUDA device: the verify pass with static shapes replayed as CUDA graphs",
     "iteration": "on a CUDA device: whole iterations of a batch of one sentence as one CUDA graph",

@@ -272,6 +272,32 @@ class DecoderPass:
         )
         return picks, scores, features  # None: no pass ran (an undefined tensor)
 
+    def screened_steps(self, tokens: Tensor, n: int, pad: int, eos: int, min_len: int, starts: List[int],
+                       cum_bounds: List[float], screen: "GreedyScreen", embed_weight: Tensor, embed_scale: float,
+                       positions: Optional[Tensor], keys, values, cross, enc_pad: Optional[Tensor], final_norm=None,
+                       temperature: float = 1.0) -> Tuple[Tensor, List[float], Tensor]:
+        """The verifier's greedy steps in one call (``screened_greedy_steps`` in
+        ``csrc/rowgemm.cpp``): from ``tokens`` (B x 1, each row's newest, at
+        ``starts[r]``), each step this pass up to its final states, then
+        ``screen``'s certified pick of every row (EOS banned while the row's
+        length is below ``min_len``), fed back as the row's next token; at
+        most ``n`` steps, ending after a step in which any row picked
+        ``eos`` or at one in which any pick is not certified.  Returns
+        ``(picks B x s, the rows' running-score bounds grown by the picks'
+        log-prob bounds, the final states B x t x C of every pass)``:
+        ``t = s``, or ``s + 1`` where the last pass's picks were not
+        certified.  The other arguments are :meth:`__call__`'s; the caches'
+        capacity must hold ``max(starts) + n``."""
+        (norm_w, norm_b, eps), out = self._norm(final_norm), self.output
+        if screen.output is not out:
+            raise ValueError("the screen certifies the picks of another projection than this pass's")
+        return _ext.screened_greedy_steps(
+            tokens, int(n), int(pad), int(eos), int(min_len), starts, [float(c) for c in cum_bounds], embed_weight,
+            float(embed_scale), positions, self.tensors, self.scalars, keys, values, [c[0] for c in cross],
+            [c[1] for c in cross], enc_pad, norm_w, norm_b, eps, out.packed, out.out_features, out.bias,
+            screen.int8, screen.scales, screen.l1, float(temperature),
+        )
+
     @staticmethod
     def _norm(final_norm):
         """The final norm's (weight, bias, eps), or (None, None, 1e-5)."""
@@ -281,8 +307,10 @@ class DecoderPass:
 
 
 def screen_available() -> bool:
-    """Whether the extension has the screened greedy pick (an older build may not)."""
-    return unavailable_reason() is None and hasattr(_ext, "screen_greedy") and int8_available()
+    """Whether the extension has the screened greedy pick and its steps in
+    one call (an older build may not)."""
+    return (unavailable_reason() is None and hasattr(_ext, "screen_greedy")
+            and hasattr(_ext, "screened_greedy_steps") and int8_available())
 
 
 class GreedyScreen:

@@ -9,8 +9,8 @@ drafters combined) live in their own modules of
 :mod:`fairseq_specdec.generation`.
 """
 from .base import (  # noqa: F401
-    NO_KERNELS, DraftKernels, Drafter, PathDrafter, StaticDrafter, TimedParts, TreeDrafter, padded_drafts,
-    row_tails,
+    NO_KERNELS, DraftKernels, Drafter, NeverDrafts, PathDrafter, StaticDrafter, TimedParts, TreeDrafter,
+    padded_drafts, row_tails,
 )
 from .blockwise import BlockwiseHeadsDrafter  # noqa: F401
 from .factory import drafter_for_model  # noqa: F401

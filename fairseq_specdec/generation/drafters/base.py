@@ -39,6 +39,9 @@ base as well, never by an attribute the loop probes:
   (:mod:`~fairseq_specdec.generation.iteration_graphs`).  Its ``propose``
   then reads only those buffers and the state's ``last_tokens()`` and
   ``lengths``, and reads nothing back to the host;
+* :class:`NeverDrafts`: it proposes nothing, ever (greedy decoding
+  through the loop): the loop does not ask it, and an iteration may run
+  several greedy steps (:mod:`~fairseq_specdec.generation.screened_greedy`);
 * :class:`TimedParts`: ``timed_parts(k)``, the calls the profiler
   (``scripts/profile-draft-verify.py``) times for it, its inner passes
   included; for a drafter without it the profiler times the contract's
@@ -155,6 +158,14 @@ class PathDrafter(ABC):
         """Per row, ``(tokens, confidence)`` paths at most ``k`` deep, at
         most ``nodes`` of them, the most confident first: the confidence is
         the drafter's estimate that the verifier accepts the whole path."""
+
+
+class NeverDrafts(ABC):
+    """A capability a drafter declares beside :class:`Drafter`: it never
+    proposes a token, so the loop never calls its ``propose``, and an
+    iteration may append several greedy tokens a row (a run of screened
+    steps, :mod:`~fairseq_specdec.generation.screened_greedy`); its
+    ``update`` then hears all of them at once (``Feedback.n_new``)."""
 
 
 class TimedParts(ABC):

@@ -1,10 +1,11 @@
-"""``loop-greedy``'s drafter: none (one verifier token per iteration)."""
-from .base import Drafter, StaticDrafter, TimedParts
+"""``loop-greedy``'s drafter: none (greedy decoding through the loop)."""
+from .base import Drafter, NeverDrafts, StaticDrafter, TimedParts
 
 
-class NoDrafter(Drafter, StaticDrafter, TimedParts):
-    """Never drafts: the loop then takes one verifier token per iteration
-    (greedy decoding through the speculative loop)."""
+class NoDrafter(Drafter, NeverDrafts, StaticDrafter, TimedParts):
+    """Never drafts: the loop then takes the verifier's greedy tokens, one
+    a pass (several passes an iteration where its greedy steps are
+    screened: :mod:`~fairseq_specdec.generation.screened_greedy`)."""
 
     def describe(self) -> str:
         return "none: one verifier token per iteration"

@@ -1424,6 +1424,74 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decoder_steps(
   return {picks.narrow(1, 0, steps).contiguous(), scores.narrow(1, 0, steps).contiguous(), features};
 }
 
+// The verifier's greedy steps in one call (ScreenedGreedy's run, screened_greedy.py), in place of one
+// loop iteration per step, which computes the same: from each row's newest token (tokens: B x 1, at
+// position starts[r]), a step is decoder_pass without its projection (project false: the caches written
+// as by it), then screen_greedy's certified pick of every row from its final states (EOS banned while the
+// row's length starts[r] + s is below min_len, as fairseq's rule), each pick fed as the row's next token
+// at starts[r] + s + 1.  The steps end after n certified steps, after a step in which any row picked eos,
+// or at a step in which any row's pick is not certified (that step's states are returned, its picks are
+// not, and its cache entries are scratch past the rows' lengths).  The caches' capacity must hold
+// max(starts) + n positions.  cum_bounds: each row's bound on the magnitude of its running score, grown
+// by each certified pick's lp_bound (screen_greedy's).  Returns (picks B x s int64, the grown cum_bounds,
+// the final states of every pass B x t x C: t = s, or s + 1 where the last pass's picks were not
+// certified).  A row's picks depend on that row alone, as each call's.
+std::tuple<torch::Tensor, std::vector<double>, torch::Tensor> screened_greedy_steps(
+    const torch::Tensor& tokens, int64_t n, int64_t pad, int64_t eos, int64_t min_len,
+    const std::vector<int64_t>& starts, std::vector<double> cum_bounds, const torch::Tensor& embed_w,
+    double embed_scale, const c10::optional<torch::Tensor>& pos_table, const std::vector<torch::Tensor>& layers,
+    const std::vector<double>& scalars, const std::vector<torch::Tensor>& keys,
+    const std::vector<torch::Tensor>& values, const std::vector<torch::Tensor>& cross_keys,
+    const std::vector<torch::Tensor>& cross_values, const c10::optional<torch::Tensor>& enc_pad,
+    const c10::optional<torch::Tensor>& final_ln_w, const c10::optional<torch::Tensor>& final_ln_b,
+    double final_eps, const torch::Tensor& out_packed, int64_t vocab, const c10::optional<torch::Tensor>& out_bias,
+    const torch::Tensor& w8, const torch::Tensor& scales, const torch::Tensor& l1, double temperature) {
+  TORCH_CHECK(n >= 1, "screened_greedy_steps: n must be at least 1, got ", n);
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) == 1 && tokens.scalar_type() == torch::kLong &&
+                  tokens.device().is_cpu(),
+              "screened_greedy_steps: tokens must be B x 1 int64 on the CPU");
+  const int64_t B = tokens.size(0);
+  TORCH_CHECK(B >= 1, "screened_greedy_steps: no rows");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(cum_bounds.size()) == B,
+              "screened_greedy_steps: starts and cum_bounds must hold one value per row (", B, "), not ", starts.size(),
+              " and ", cum_bounds.size());
+  TORCH_CHECK(eos >= 0 && eos < vocab, "screened_greedy_steps: eos ", eos, " is not a column of ", vocab);
+  auto picks = torch::empty({B, n}, tokens.options());
+  int64_t* pk = picks.data_ptr<int64_t>();
+  torch::Tensor token = tokens.contiguous().clone();
+  int64_t* tp = token.data_ptr<int64_t>();
+  std::vector<torch::Tensor> states;
+  std::vector<int64_t> at(starts), bans(static_cast<size_t>(B));
+  int64_t s = 0;
+  for (; s < n; ++s) {
+    for (int64_t b = 0; b < B; ++b) {
+      at[b] = starts[b] + s;
+      bans[b] = at[b] < min_len ? eos : -1;
+    }
+    auto out = decoder_pass(token, c10::nullopt, at, embed_w, embed_scale, pos_table, layers, scalars, keys, values,
+                            cross_keys, cross_values, enc_pad, c10::nullopt, final_ln_w, final_ln_b, final_eps,
+                            out_packed, vocab, out_bias, temperature, false);
+    const torch::Tensor x = std::get<1>(out);  // B x 1 x C
+    states.push_back(x);
+    const auto screened = screen_greedy(x.view({B, x.size(2)}), w8, out_packed, vocab, out_bias, scales, l1, pad,
+                                        temperature, cum_bounds, bans);
+    const std::vector<int64_t>& columns = std::get<0>(screened);
+    const std::vector<double>& bounds = std::get<1>(screened);
+    if (*std::min_element(columns.begin(), columns.end()) < 0) break;
+    bool ended = false;
+    for (int64_t b = 0; b < B; ++b) {
+      pk[b * n + s] = tp[b] = columns[b];
+      cum_bounds[b] += bounds[b];
+      ended = ended || columns[b] == eos;
+    }
+    if (ended) {
+      ++s;
+      break;
+    }
+  }
+  return {picks.narrow(1, 0, s).contiguous(), cum_bounds, torch::cat(states, 1)};
+}
+
 namespace {
 
 #ifdef ROWGEMM_X86
@@ -1585,6 +1653,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_steps", &decoder_steps,
         "a self-drafter's greedy steps: each row's best non-pad pick and its log-prob, fed through decoder_pass "
         "while any row stays sure");
+  m.def("screened_greedy_steps", &screened_greedy_steps,
+        "the verifier's greedy steps: decoder_pass to the final states, screen_greedy's certified picks fed back, "
+        "until n steps, an EOS pick or a pick not certified");
   m.def("encoder_layer", &encoder_layer, "one fairseq Transformer encoder layer (ReLU FFN) over padded sentences");
   m.def("block_input", &block_input, "the input rows of a specdec_vsd drafting pass: context row, then k slot rows");
   m.def("draft_pick", &draft_pick,
