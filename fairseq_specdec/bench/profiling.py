@@ -247,7 +247,9 @@ def main(argv=None):
         total, n, tokens, timers = profile(spec, draft_verify_components, args.warmup)
         iterations = calls(timers, "verifier pass")
         rows += rows_of(label, total, n, timers, iterations)
-        summary.append(f"{label}: {tokens} output tokens in {iterations} iterations (Tok. {tokens / max(iterations, 1):.2f})")
+        # an iteration's tokens: all rows' (a batch's), and a run of screened greedy steps' several a row
+        summary.append(f"{label}: {tokens} output tokens in {iterations} iterations "
+                       f"({tokens / max(iterations, 1):.2f} tokens an iteration)")
 
     print(f"batch {args.batch_size}, {args.threads} thread(s), {n} sentences after a warm-up of {args.warmup}; " + "; ".join(summary) + "\n")
     print("| decoder | component | calls | ms/call | ms/sentence | share |")

@@ -176,10 +176,13 @@ class ScreenedGreedy:
         state.deferred = None
         if not deferred.states:
             return
-        lprobs = self.verifier.log_probs(torch.cat(deferred.states, 1))  # B x T x V
-        picks = torch.cat(deferred.picks, 1)  # B x T
+        def joined(blocks):  # one block (a sentence's run) needs no copy
+            return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
+
+        lprobs = self.verifier.log_probs(joined(deferred.states))  # B x T x V
+        picks = joined(deferred.picks)  # B x T
         picked = lprobs.gather(2, picks.unsqueeze(2)).squeeze(2)
-        state.pos_scores.scatter_(1, torch.cat(deferred.columns, 1), picked)
+        state.pos_scores.scatter_(1, joined(deferred.columns), picked)
         cum = state.cum.numpy().astype(np.float32)  # a copy
         for value in picked.t().numpy():  # the rows' log-probs of one step, in order: float32 sums
             cum = cum + value
