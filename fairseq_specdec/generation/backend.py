@@ -196,4 +196,5 @@ def resolve_backend(name: str, model, acceptance, temperature: float = 1.0, unk_
     append = rowgemm.append_rows if "commit" not in off and rowgemm.append_rows_available() else None
     run = 1 if "runs" in off else ScreenedGreedy.MAX_STEPS
     return Backend(name, verifier, fused_accept=fused, drafting=drafting, append=append, screen=screen,
-                   screen_run=run, reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",), off=off)
+                   screen_run=run, reasons=("native kernels: the extension is built and this CPU has AVX2/FMA",),
+                   off=off)
