@@ -115,9 +115,10 @@ def accept(gen, fused, lprobs, drafts, drafted, state, max_len):
 
 
 def assert_same_step(a, b):
-    tokens_a, lprobs_a, n_a, cum_a, counts_a, path_a = a
-    tokens_b, lprobs_b, n_b, cum_b, counts_b, path_b = b
+    tokens_a, lprobs_a, n_a, cum_a, counts_a, path_a, passes_a = a
+    tokens_b, lprobs_b, n_b, cum_b, counts_b, path_b, passes_b = b
     assert path_a is None and path_b is None  # a chain
+    assert passes_a == passes_b == 1  # one verify pass
     assert n_a.tolist() == n_b.tolist()
     assert counts_a.tolist() == counts_b.tolist()
     assert torch.equal(cum_a, cum_b)  # bitwise: the same float32 additions
