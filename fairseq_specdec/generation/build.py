@@ -193,7 +193,7 @@ def _no_draft(ctx: DrafterContext) -> BuiltDrafter:
     k = ctx.options.block_size
     if k is not None and k != 1:
         raise ValueError(
-            f"--decoding {ctx.options.decoding} never drafts (one verifier token per iteration): "
+            f"--decoding {ctx.options.decoding} never drafts (one verifier token a verify pass): "
             f"--block-size does not apply (got {k}); drop it"
         )
     drafter = NoDrafter()
@@ -241,8 +241,8 @@ BUILTIN_DECODINGS = (
     ),
     Decoding(
         "loop-greedy",
-        "no drafter: greedy decoding through the speculative loop, one verifier token per "
-        "iteration (separates the loop's own speed from speculation's)",
+        "no drafter: greedy decoding through the speculative loop, one verifier token a verify "
+        "pass (separates the loop's own speed from speculation's)",
         _no_draft, relaxed=False,
     ),
 )

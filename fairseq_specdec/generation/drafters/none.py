@@ -8,7 +8,7 @@ class NoDrafter(Drafter, NeverDrafts, StaticDrafter, TimedParts):
     screened: :mod:`~fairseq_specdec.generation.screened_greedy`)."""
 
     def describe(self) -> str:
-        return "none: one verifier token per iteration"
+        return "none: the verifier's greedy tokens, one a verify pass"
 
     def timed_parts(self, k: int):
         return iter(())
