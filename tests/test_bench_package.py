@@ -617,6 +617,37 @@ def test_limit_picks_the_same_sentences_at_every_batch_size(toy_bin, ar_checkpoi
     assert len(task.dataset("test")) == H.SPLIT_SIZES["test"] > 10
 
 
+@pytest.mark.parametrize("decoding", ["draft-verify", "ngram", "ngram-tree", "self-draft", "blockwise"])
+def test_profile_of_a_decoding_that_drafts_in_no_iteration(decoding, toy_bin, ar_checkpoint, nat_checkpoint,
+                                                          blockwise_checkpoint, monkeypatch):
+    """The draft policy may give no row a draft in a whole run (at batch 32
+    on a CPU, where drafting was measured not to pay): the profile of such a
+    run lists the drafter's start of batch and no drafter pass, instead of
+    failing as if the profiler's components were out of date."""
+    from fairseq_specdec.generation.draft_policy import DraftLengthPolicy
+
+    if decoding == "self-draft" and not H.gemm_available("rowgemm"):
+        pytest.skip("the int8 copy needs the native kernels")
+    path, extra = {
+        "draft-verify": (f"{ar_checkpoint}:{nat_checkpoint}", ["--decoding", "draft-verify"]),
+        "ngram": (ar_checkpoint, ["--decoding", "ngram"]),
+        "ngram-tree": (ar_checkpoint, ["--decoding", "ngram", "--draft-tree", "5"]),
+        "self-draft": (ar_checkpoint, ["--decoding", "self-draft"]),
+        "blockwise": (blockwise_checkpoint, ["--decoding", "blockwise"]),
+    }[decoding]
+    spec = dict(data=toy_bin, src="src", tgt="tgt", subset="test", threads=1, device="cpu", beam=1, batch_size=4,
+                limit=12, path=path, extra=extra)
+    asked = []
+    monkeypatch.setattr(DraftLengthPolicy, "drafts_at", lambda self, rows, batch=1: asked.append(rows) or False)
+    total, sentences, tokens, timers = profiling.profile(spec, profiling.draft_verify_components, warmup=0)
+    assert asked and sentences == 12 and tokens > 0 and total > 0
+    called = {name for name in timers.names if timers.calls[name]}
+    assert any("start of batch" in name for name in called), sorted(called)
+    drafting = [name for name in timers.names if name.startswith(("drafter pass", "drafter tree", "int8 copy's draft",
+                                                                    "blockwise heads", "first drafter's candidate"))]
+    assert drafting and not any(timers.calls[name] for name in drafting), {n: timers.calls[n] for n in drafting}
+
+
 def test_profile_wraps_the_weight_checks_and_undoes_its_wrapper_even_on_failure(monkeypatch):
     from fairseq_specdec.utils.projection import WeightsWatch
 

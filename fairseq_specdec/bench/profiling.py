@@ -141,13 +141,14 @@ def drafter_parts(drafter, k: int):
     """(object, method, name[, required]) of a drafter's calls to time: what
     it declares (:class:`~fairseq_specdec.generation.drafters.TimedParts`),
     else the contract's: its start of batch, its pass (its tree where it
-    drafts trees) and its feedback."""
+    drafts trees) and its feedback.  Only the start of batch is required:
+    the draft policy may draft in no iteration (``TimedParts.timed_parts``)."""
     if isinstance(drafter, TimedParts):
         yield from drafter.timed_parts(k)
         return
     yield drafter, "start_batch", "drafter start of batch"
     trees = isinstance(drafter, TreeDrafter)
-    yield drafter, "propose", f"drafter pass (up to {k} drafts)", not trees
+    yield drafter, "propose", f"drafter pass (up to {k} drafts)", False
     if trees:
         yield drafter, "propose_tree", f"drafter tree (up to {k} deep)", False
     yield drafter, "update", "drafter feedback", False

@@ -60,10 +60,10 @@ class CombinedDrafter(Drafter, TreeDrafter, TimedParts):
 
     def timed_parts(self, k: int):
         yield self.first, "start_batch", "first drafter's start of batch"
-        yield self.first, "tree_paths", f"first drafter's candidate paths (up to {k} deep)"
+        yield self.first, "tree_paths", f"first drafter's candidate paths (up to {k} deep)", False
         yield self.second, "start_batch", "second drafter's start of batch (where a row needs it)", False
         yield self.second, "propose_tree", "second drafter's tree (where a row needs it)", False
-        yield self, "propose_tree", "combined tree"
+        yield self, "propose_tree", "combined tree", False
 
     def start_batch(self, state) -> None:
         self.first.start_batch(state)

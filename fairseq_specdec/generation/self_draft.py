@@ -211,7 +211,7 @@ class SelfDrafter(Drafter, TimedParts):
 
     def timed_parts(self, k: int):
         yield self, "start_batch", "drafter start of batch"
-        yield self, "propose", f"int8 copy's draft (up to {k} steps)"
+        yield self, "propose", f"int8 copy's draft (up to {k} steps)", False
         yield self.copy, "forward", "of which: one int8 copy pass", False
         yield self.copy, "draft_steps", "of which: the copy's steps in one native call", False
         yield self, "update", "drafter feedback", False

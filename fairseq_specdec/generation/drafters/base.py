@@ -179,7 +179,10 @@ class TimedParts(ABC):
         """``(object, method name, label[, required])`` of the calls to
         time, for drafts of up to ``k`` tokens; a label starting "of which: "
         is a part of the rows above it; ``required`` False: a call the
-        decoding may never make."""
+        decoding may never make.  Every call a draft makes is one: the draft
+        policy may give no row a draft in a whole run (at batch 32 on a CPU,
+        where drafting was measured not to pay), so only the start of a
+        batch and the feedback may be required."""
 
 
 def row_tails(state, size: int, first: int = 0) -> List[List[int]]:

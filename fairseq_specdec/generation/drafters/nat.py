@@ -60,8 +60,8 @@ class NATBlockDrafter(Drafter, TimedParts):
 
     def timed_parts(self, k: int):
         yield self, "start_batch", "drafter start of batch (own encoder, or memory from the verifier's)"
-        yield self, "propose", f"drafter pass (prefix + up to {k} masks)"
-        yield self.model.decoder, "output_layer", f"of which: drafter vocabulary projection (up to {k} rows)"
+        yield self, "propose", f"drafter pass (prefix + up to {k} masks)", False
+        yield self.model.decoder, "output_layer", f"of which: drafter vocabulary projection (up to {k} rows)", False
 
     def start_batch(self, state) -> None:
         net_input = state.net_input

@@ -185,9 +185,9 @@ class VerifierStateDrafter(Drafter, TreeDrafter, StaticDrafter, TimedParts):
         yield self, "propose", f"drafter pass (1 + up to {k} rows, shortlist projection)", False
         yield self, "propose_tree", f"drafter tree (1 + up to {k} rows, top candidates, best prefixes)", False
         if self.native is not None:
-            yield self.native, "block_states", "of which: drafter block layers (native)"
+            yield self.native, "block_states", "of which: drafter block layers (native)", False
         else:
-            yield self.model, "block_states", "of which: drafter block layers"
+            yield self.model, "block_states", "of which: drafter block layers", False
         yield self, "update", "drafter feedback (the verifier's state)"
 
     def reorder(self, order, order_host) -> None:
