@@ -455,12 +455,12 @@ def products_isa(name):
         pytest.skip(kernels.unavailable_reason())
     if name == "avx512" and not kernels.has_avx512():
         pytest.skip("this CPU has no AVX-512F")
-    before = kernels.isa()
+    before = kernels.isa_by_rows()
     assert kernels._ext.select_isa(name) == name
     try:
         yield
     finally:
-        kernels._ext.select_isa(before)
+        kernels.set_isa_by_rows(before)
 
 OPTION_SETS = {
     "default": dict(max_len_a=0, max_len_b=200, min_len=1),
@@ -664,3 +664,22 @@ def partly_right(ref, d):
 def strict_generator(model, drafter, tgt_dict, verifier, opts="default", k=4):
     """A strict SpeculativeGenerator whose verify pass is ``verifier``."""
     return make_generator(model, drafter, tgt_dict, k, verifier=verifier, **OPTION_SETS[opts])
+
+
+def is_fresh_process_isa(name) -> bool:
+    """Whether ``name`` is what another process of this machine, importing
+    the plugin with FAIRSEQ_SPECDEC_ISA unset, reports as its products'
+    instruction set: this process's on a CPU without AVX-512F (or torch's
+    products where the kernels cannot run); on one with it, the measured
+    choice, which may differ from this process's, so any mix of avx2 and
+    avx512 (``kernels.isa``'s forms)."""
+    import re
+
+    from fairseq_specdec import kernels
+
+    if kernels.unavailable_reason() is not None:
+        return name == "torch"
+    if not kernels.has_avx512():
+        return name == kernels.isa()
+    named = re.findall(r"avx[\w-]+", name)
+    return bool(named) and set(named) <= {"avx2", "avx512"}

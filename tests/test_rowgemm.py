@@ -16,6 +16,7 @@
 import math
 import os
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -112,30 +113,114 @@ def test_avx512_blocks_give_the_avx2_products_bitwise(isa):
 
 
 @needs_kernel
-def test_the_products_isa_is_avx2_unless_asked_and_refused_by_name():
-    """Unset, FAIRSEQ_SPECDEC_ISA leaves the AVX2 blocks (whatever the CPU
-    has); a name picks the blocks, checked at import; an unknown name, or
-    avx512 on a CPU without AVX-512F, is refused naming the variable."""
+def test_the_products_isa_is_measured_unless_asked_and_refused_by_name():
+    """Unset, FAIRSEQ_SPECDEC_ISA leaves the AVX2 blocks on a CPU without
+    AVX-512F, and on one with it gives each class of row counts the blocks
+    measured faster there (AVX2 or AVX-512, named in the machine's
+    description); a name picks the blocks for every class, checked at
+    import; an unknown name, or avx512 on a CPU without AVX-512F, is refused
+    naming the variable."""
     has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
     assert kernels.has_avx512() == has_avx512
-    code = "from fairseq_specdec import kernels; print('ISA', kernels.isa())"
+    code = ("from fairseq_specdec import kernels; from fairseq_specdec.bench import machine; "
+            "print('ISA', kernels.isa()); print('TABLE', sorted(set(kernels.isa_by_rows().values()))); "
+            "print('MEASURED', sorted(kernels.ISA_MEASURED), 'plugin_isa_measured' in machine.describe())")
 
     def isa_of(value):
         env = {kernels.ISA_ENV: value}  # None: unset
         return H.run([sys.executable, "-c", code], check=False, env=env, timeout=300)
 
     unset = isa_of(None)
-    assert "ISA avx2" in unset.stdout, unset.stderr[-2000:]
-    emulated = isa_of("avx512-emulated")
-    assert "ISA avx512-emulated" in emulated.stdout, emulated.stderr[-2000:]
+    if has_avx512:
+        assert "MEASURED [1, 2, 5, 9] True" in unset.stdout, unset.stderr[-2000:]
+        assert any(f"TABLE {t}" in unset.stdout for t in (["avx2"], ["avx512"], ["avx2", "avx512"])), unset.stdout
+    else:
+        assert "ISA avx2\nTABLE ['avx2']\nMEASURED [] False" in unset.stdout, unset.stderr[-2000:]
+    for name in ("avx2", "avx512-emulated"):
+        chosen = isa_of(name)  # named: every class, nothing measured
+        assert f"ISA {name}\nTABLE ['{name}']\nMEASURED [] False" in chosen.stdout, chosen.stderr[-2000:]
     bad = isa_of("avx1024")
     assert bad.returncode != 0
     assert "FAIRSEQ_SPECDEC_ISA=avx1024: not an instruction set" in bad.stderr and "avx512-emulated" in bad.stderr
     forced = isa_of("avx512")
     if has_avx512:
-        assert "ISA avx512" in forced.stdout, forced.stderr[-2000:]
+        assert "ISA avx512\n" in forced.stdout, forced.stderr[-2000:]
     else:
         assert forced.returncode != 0 and "FAIRSEQ_SPECDEC_ISA=avx512: this CPU has no AVX-512F" in forced.stderr
+
+
+@needs_kernel
+def test_each_class_of_row_counts_runs_its_own_isa_bitwise_alike():
+    """The instruction set is set per class of row counts (1, 2-4, 5-8, 9+):
+    a product of m rows runs its class's blocks (a class on the emulated
+    AVX-512 blocks, the others on AVX2, in every pattern), the products are
+    bitwise those of AVX2 alone for every m, and :func:`kernels.isa` names
+    each class's set, runs of equal classes joined."""
+    g = torch.Generator().manual_seed(9)
+    weight, bias = torch.randn(70, 37, generator=g), torch.randn(70, generator=g)
+    lin = rowgemm.PackedLinear(weight, bias, "relu")
+    xs = {m: torch.randn(m, 37, generator=g) for m in range(1, 18)}
+    before = kernels.isa_by_rows()
+    assert kernels.isa_classes() == [1, 2, 5, 9]
+    try:
+        kernels.set_isa_by_rows(dict.fromkeys(kernels.isa_classes(), "avx2"))
+        reference = {m: lin(x) for m, x in xs.items()}
+        for emulated in ([1], [2], [5], [9], [2, 5], [1, 9], [1, 2, 5, 9]):
+            table = {first: "avx512-emulated" if first in emulated else "avx2" for first in kernels.isa_classes()}
+            kernels.set_isa_by_rows(table)
+            assert kernels.isa_by_rows() == table
+            for m, x in xs.items():
+                assert kernels._ext.isa_for_rows(m) == table[max(f for f in table if f <= m)]
+                assert torch.equal(lin(x), reference[m]), (emulated, m)
+        kernels.set_isa_by_rows({1: "avx2", 2: "avx512-emulated", 5: "avx512-emulated", 9: "avx2"})
+        assert kernels.isa() == "avx2 (1 row), avx512-emulated (2-8 rows), avx2 (9+ rows)"
+        kernels.set_isa_by_rows({1: "avx512-emulated", 2: "avx2", 5: "avx2", 9: "avx2"})
+        assert kernels.isa() == "avx512-emulated (1 row), avx2 (2+ rows)"
+        kernels.set_isa_by_rows(dict.fromkeys(kernels.isa_classes(), "avx512-emulated"))
+        assert kernels.isa() == "avx512-emulated"
+        with pytest.raises(ValueError, match=r"no class of products starts at \[3\] rows"):
+            kernels.set_isa_by_rows({3: "avx2"})
+        if not kernels.has_avx512():
+            with pytest.raises(ValueError, match="no AVX-512F"):
+                kernels.set_isa_by_rows({1: "avx2", 9: "avx512"})
+            assert kernels.isa() == "avx512-emulated"  # refused before any class changed
+    finally:
+        kernels.set_isa_by_rows(before)
+    assert kernels.isa_by_rows() == before
+
+
+def test_the_measured_choice_keeps_avx2_unless_another_is_faster_by_the_margin():
+    """pick_isa_by_rows: per class, the first candidate (AVX2) unless another
+    took at most 1 - ISA_MARGIN of its time, then the fastest such."""
+    times = {1: {"avx2": 1.0, "avx512": 0.98},   # 2% faster: within the margin, AVX2 kept
+             2: {"avx2": 1.0, "avx512": 0.96},   # 4% faster: taken
+             5: {"avx2": 1.0, "avx512": 1.5},    # slower
+             9: {"avx2": 2.0, "avx512": 1.0}}
+    assert kernels.ISA_MARGIN == 0.03
+    assert kernels.pick_isa_by_rows(times) == {1: "avx2", 2: "avx512", 5: "avx2", 9: "avx512"}
+    assert kernels.pick_isa_by_rows(times, margin=0.0) == {1: "avx512", 2: "avx512", 5: "avx2", 9: "avx512"}
+    three = {1: {"avx2": 1.0, "a": 0.9, "b": 0.8}}
+    assert kernels.pick_isa_by_rows(three) == {1: "b"}
+
+
+@needs_kernel
+def test_measuring_the_isas_times_every_class_on_each_and_leaves_the_default():
+    """measure_isas times a pass of each class's rows on each candidate
+    (here AVX2 and the emulated AVX-512 blocks, which every x86-64 CPU with
+    AVX2 runs) and leaves every class on the first candidate;
+    choose_isa_by_rows applies what pick_isa_by_rows makes of it."""
+    before = kernels.isa_by_rows()
+    try:
+        times = kernels.measure_isas(("avx2", "avx512-emulated"), rounds=1)
+        assert sorted(times) == [1, 2, 5, 9]
+        assert all(sorted(by) == ["avx2", "avx512-emulated"] and all(0 < ms < 1e4 for ms in by.values())
+                   for by in times.values()), times
+        assert set(kernels.isa_by_rows().values()) == {"avx2"}
+        measured = kernels.choose_isa_by_rows(("avx2", "avx512-emulated"))
+        # the emulated blocks' time is measured, not assumed: whichever the machine made faster is taken
+        assert kernels.isa_by_rows() == kernels.pick_isa_by_rows(measured)
+    finally:
+        kernels.set_isa_by_rows(before)
 
 
 @needs_kernel
@@ -308,3 +393,34 @@ def test_compact_rows_moves_the_kept_rows_up_in_place():
         rowgemm.compact_rows(tensors, [2, 1], width)
     with pytest.raises(RuntimeError, match="past the capacity"):
         rowgemm.compact_rows(tensors, [0, 1], 11)
+
+
+@needs_kernel
+def test_the_import_measures_the_isas_on_a_cpu_with_avx512():
+    """The import-time path of a CPU with AVX-512F, run on any CPU: a fresh
+    import of the kernels package over an extension that says it has
+    AVX-512F and runs the emulated blocks where asked for AVX-512 measures
+    every class on both, applies the choice and describes it."""
+    code = textwrap.dedent("""
+        import sys
+        from fairseq_specdec import kernels
+        ext = kernels._ext
+        select, set_rows = ext.select_isa, ext.set_isa_for_rows
+        real = lambda name: "avx512-emulated" if name == "avx512" else name
+        ext.has_avx512 = lambda: True
+        ext.select_isa = lambda name: select(real(name))
+        ext.set_isa_for_rows = lambda first, name: set_rows(first, real(name))
+        for name in [n for n in sys.modules if n.startswith("fairseq_specdec.kernels")]:
+            if not name.endswith("._native"):
+                del sys.modules[name]
+        import fairseq_specdec.kernels as fresh
+        assert fresh is not kernels and fresh._ext is ext
+        print("MEASURED", sorted(fresh.ISA_MEASURED), sorted(fresh.ISA_MEASURED[9]))
+        table = fresh.isa_by_rows()
+        assert table == {f: real(n) for f, n in fresh.pick_isa_by_rows(fresh.ISA_MEASURED).items()}, table
+        print("ISA", fresh.isa())
+    """)
+    proc = H.run([sys.executable, "-c", code], check=False, env={kernels.ISA_ENV: None}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MEASURED [1, 2, 5, 9] ['avx2', 'avx512']" in proc.stdout, proc.stdout
+    assert "ISA " in proc.stdout

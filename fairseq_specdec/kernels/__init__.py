@@ -12,11 +12,13 @@ runs on torch's operations.
 
 **Instruction set.**  The products' register blocks are AVX2 ones, or on a
 CPU with AVX-512F, AVX-512 ones (``csrc/rowgemm_avx512.cpp``), bitwise the
-same products.  The choice is made once, at import, here: :data:`ISA_ENV`
-(``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS` (docs/benchmarking.md),
-and :func:`isa` says which runs.  The default is AVX2 until the AVX-512
-blocks are measured against it on an AVX-512 machine
-(docs/verify-kernels.md).
+same products.  The choice is made once, at import, here, for each class of
+row counts a product can have (:func:`isa_classes`: 1 row, 2-4, 5-8, 9 or
+more): :data:`ISA_ENV` (``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS`
+for all of them (docs/benchmarking.md); unset (``auto``) on a CPU with
+AVX-512F, each class takes the blocks that measured faster on this CPU
+(:func:`choose_isa_by_rows`: a pass of the class's rows timed on both,
+about a fifth of a second), AVX2 elsewhere.  :func:`isa` says which runs.
 
 **Parts.**  :data:`PARTS` names the native parts the backend can be told
 not to use (``resolve_backend(..., off=...)``), so that the benchmark can
@@ -24,7 +26,7 @@ measure what each one gains (its ``FAIRSEQ_SPECDEC_OFF`` rows:
 docs/benchmarking.md); decoding never needs it.
 """
 import os
-from typing import FrozenSet, Iterable, Optional
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -80,9 +82,22 @@ ISA_ENV = "FAIRSEQ_SPECDEC_ISA"
 ISAS = ("auto", "avx2", "avx512", "avx512-emulated")
 
 
+#: the rows of the product timed for each class of row counts (by its first
+#: row count, :func:`isa_classes`) when the instruction sets are measured
+ISA_PROBE_ROWS = {1: 1, 2: 4, 5: 8, 9: 32}
+#: a measured choice keeps the first candidate (AVX2) unless another is at
+#: least this much faster (a fraction of the first's time), so that a tie
+#: does not flip from one process to the next
+ISA_MARGIN = 0.03
+#: the measurement behind the import-time choice: {first rows: {isa: ms}}
+#: (empty where nothing was measured)
+ISA_MEASURED: Dict[int, Dict[str, float]] = {}
+
+
 def _select_isa() -> None:
     """Apply :data:`ISA_ENV`, once, at import; a value not in :data:`ISAS`,
-    or one this CPU cannot run, is refused by the variable's name."""
+    or one this CPU cannot run, is refused by the variable's name.  Unset or
+    ``auto`` on a CPU with AVX-512F: :func:`choose_isa_by_rows`."""
     wanted = os.environ.get(ISA_ENV, "").strip()
     if wanted and wanted not in ISAS:
         raise ValueError(f"{ISA_ENV}={wanted}: not an instruction set of the plugin's products; "
@@ -93,9 +108,91 @@ def _select_isa() -> None:
         _ext.select_isa(wanted)
     except RuntimeError as error:
         raise ValueError(f"{ISA_ENV}={wanted}: {str(error).splitlines()[0]}") from None
+    if wanted in ("", "auto") and _ext.has_avx512():
+        ISA_MEASURED.update(choose_isa_by_rows(("avx2", "avx512")))
 
 
-_select_isa()
+def isa_classes() -> List[int]:
+    """The first row count of each class of products that has an
+    instruction set of its own (``[1, 2, 5, 9]``: 1 row, 2-4, 5-8, 9 or
+    more); empty where the native kernels cannot run."""
+    return list(_ext.isa_classes()) if _SUPPORTED else []
+
+
+def isa_by_rows() -> Dict[int, str]:
+    """{first row count of a class: its instruction set} (empty where the
+    native kernels cannot run)."""
+    return {first: _ext.isa_for_rows(first) for first in isa_classes()}
+
+
+def set_isa_by_rows(table: Dict[int, str]) -> None:
+    """Set the instruction set of each class in ``table`` ({first row
+    count: name}, as :func:`isa_by_rows` gives); a name this CPU cannot run
+    is refused before any class changes."""
+    if unavailable_reason() is not None:
+        raise RuntimeError(unavailable_reason())
+    unknown = sorted(set(table) - set(isa_classes()))
+    if unknown:
+        raise ValueError(f"no class of products starts at {unknown} rows; the classes start at {isa_classes()}")
+    if "avx512" in table.values() and not _ext.has_avx512():
+        raise ValueError("this CPU has no AVX-512F instructions")
+    for first, name in table.items():
+        _ext.set_isa_for_rows(first, name)
+
+
+def pick_isa_by_rows(times: Dict[int, Dict[str, float]], margin: float = ISA_MARGIN) -> Dict[int, str]:
+    """{first rows: isa} from measured times ({first rows: {isa: ms}}, the
+    first isa of each the default): another isa only where it took at most
+    ``1 - margin`` of the default's time, the fastest such."""
+    table = {}
+    for first, by_isa in times.items():
+        names = list(by_isa)
+        default = names[0]
+        best = min(names, key=lambda name: by_isa[name])
+        table[first] = best if by_isa[best] <= (1.0 - margin) * by_isa[default] else default
+    return table
+
+
+def measure_isas(candidates: Sequence[str], rounds: int = 5) -> Dict[int, Dict[str, float]]:
+    """{first rows of each class: {isa: ms}}: a pass of :data:`ISA_PROBE_ROWS`
+    rows through 8 float32 weights of 1024 x 512 (16 MiB in all, as much
+    as the demo verifier's decoder: read from beyond the core's own caches
+    at each pass, as a decoding reads its weights), on each candidate in
+    turn, the candidates alternating within every round; a candidate's time
+    is its fastest round.  Leaves every class on the first candidate."""
+    import time
+
+    from . import rowgemm
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [rowgemm.PackedLinear(torch.randn(1024, 512, generator=gen), torch.randn(1024, generator=gen))
+               for _ in range(8)]
+    inputs = {rows: torch.randn(rows, 512, generator=gen) for rows in ISA_PROBE_ROWS.values()}
+    best = {first: {name: float("inf") for name in candidates} for first in isa_classes()}
+    try:
+        for r in range(rounds + 1):  # round 0 only warms (the code paged in, the weights touched)
+            for name in (candidates if r % 2 == 0 else list(reversed(candidates))):
+                _ext.select_isa(name)
+                for first in best:
+                    x = inputs[ISA_PROBE_ROWS[first]]
+                    t0 = time.perf_counter()
+                    for linear in weights:
+                        linear(x)
+                    if r > 0:
+                        best[first][name] = min(best[first][name], (time.perf_counter() - t0) * 1000.0)
+    finally:
+        _ext.select_isa(candidates[0])
+    return best
+
+
+def choose_isa_by_rows(candidates: Sequence[str]) -> Dict[int, Dict[str, float]]:
+    """Measure ``candidates`` (:func:`measure_isas`; the first is the
+    default), give each class of products the one that measured faster
+    (:func:`pick_isa_by_rows`) and return the measurement."""
+    times = measure_isas(candidates)
+    set_isa_by_rows(pick_isa_by_rows(times))
+    return times
+
 
 
 def unavailable_reason() -> Optional[str]:
@@ -117,14 +214,30 @@ def has_avx512() -> bool:
 def isa() -> Optional[str]:
     """The instruction set the native products run on here (``"avx512"``,
     ``"avx2"``, or ``"avx512-emulated"`` where :data:`ISA_ENV` asked for
-    it), as the extension reports it; None where they cannot run
+    it), or where it differs by the products' rows, each class's, e.g.
+    ``"avx2 (1-4 rows), avx512 (5+ rows)"``; None where they cannot run
     (:func:`unavailable_reason`): torch's products then."""
     if unavailable_reason() is not None:
         return None
-    return _ext.isa()
+    if _ext.isa() != "mixed":
+        return _ext.isa()
+    firsts, table = isa_classes(), isa_by_rows()
+    spans = []  # [name, first, last or None], runs of classes with the same set joined
+    for i, first in enumerate(firsts):
+        last = firsts[i + 1] - 1 if i + 1 < len(firsts) else None
+        if spans and spans[-1][0] == table[first]:
+            spans[-1][2] = last
+        else:
+            spans.append([table[first], first, last])
+    rows = lambda a, b: f"{a}+" if b is None else (f"{a}" if a == b else f"{a}-{b}")
+    return ", ".join(f"{name} ({rows(a, b)} row{'' if a == b else 's'})" for name, a, b in spans)
 
 
 def applies_to(weight: Tensor) -> bool:
     """Whether the kernels compute with ``weight``: a float32 CPU tensor, on
     a machine that runs them."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and unavailable_reason() is None
+
+
+# last: the measurement packs weights through .rowgemm, which imports the names above
+_select_isa()

@@ -50,9 +50,9 @@
 //
 // On a CPU with AVX-512F the blocks can be AVX-512 ones instead
 // (rowgemm_avx512.cpp: 16-lane vectors over pairs of panels, blocks of up to
-// 8 rows x 48 columns), bitwise the same products; select_isa picks the
-// instruction set once, at import (FAIRSEQ_SPECDEC_ISA:
-// fairseq_specdec/kernels/__init__.py).
+// 8 rows x 48 columns), bitwise the same products; the instruction set is
+// set once, at import, for each class of row counts (FAIRSEQ_SPECDEC_ISA,
+// or measured on a CPU with AVX-512F: fairseq_specdec/kernels/__init__.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -111,13 +111,26 @@ bool cpu_has_avx512() {
 #endif
 }
 
-// The instruction set of the products' register blocks: chosen once
-// (select_isa, at import), read by every product.  avx512_emulated computes
-// the AVX-512 blocks with AVX2 instructions, for the tests.  The default is
-// AVX2 on every CPU until the AVX-512 blocks are measured against it on an
-// AVX-512 machine (docs/verify-kernels.md); avx512 is asked for by name.
+// The instruction set of the products' register blocks, one for each class
+// of row counts (kIsaClassFirstRows: calls of 1 row, 2-4, 5-8, 9 or more,
+// the classes whose register blocks differ): set once, at import
+// (select_isa for all classes; set_isa_for_rows for one, where the plugin
+// measured the AVX-512 blocks against the AVX2 ones on this CPU:
+// fairseq_specdec/kernels/__init__.py), read by every product.
+// avx512_emulated computes the AVX-512 blocks with AVX2 instructions, for
+// the tests.  Every choice gives bitwise the same products.
 enum class Isa { none, avx2, avx512, avx512_emulated };
-Isa g_isa = cpu_supported() ? Isa::avx2 : Isa::none;
+constexpr int kIsaClasses = 4;
+constexpr int64_t kIsaClassFirstRows[kIsaClasses] = {1, 2, 5, 9};
+Isa g_isa[kIsaClasses] = {cpu_supported() ? Isa::avx2 : Isa::none, cpu_supported() ? Isa::avx2 : Isa::none,
+                          cpu_supported() ? Isa::avx2 : Isa::none, cpu_supported() ? Isa::avx2 : Isa::none};
+
+// the class of a call of m rows (m >= 1)
+inline int isa_class(int64_t m) {
+  int c = 0;
+  while (c + 1 < kIsaClasses && m >= kIsaClassFirstRows[c + 1]) ++c;
+  return c;
+}
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -332,22 +345,55 @@ bool supported() { return cpu_supported(); }
 // "avx2" (AVX2 with FMA), "avx512-emulated" (the AVX-512 blocks on AVX2
 // instructions), or "none" where the CPU lacks AVX2/FMA; the fused layers'
 // other loops are AVX2 on all of them
-std::string isa() { return isa_name(g_isa); }
+std::string isa() {
+  for (int c = 1; c < kIsaClasses; ++c)
+    if (g_isa[c] != g_isa[0]) return "mixed";
+  return isa_name(g_isa[0]);
+}
 
-// Choose the instruction set of the products: "" (or "auto") the default
-// (avx2, above), else one of "avx2", "avx512", "avx512-emulated", refused
-// where the CPU lacks it.  Returns the one chosen.  Called once, at import.
-std::string select_isa(const std::string& name) {
+// the instruction set of a call of m rows
+std::string isa_for_rows(int64_t m) {
+  TORCH_CHECK(m >= 1, "isa_for_rows: a call has at least 1 row, got ", m);
+  return isa_name(g_isa[isa_class(m)]);
+}
+
+// the first row count of each class (1, 2, 5, 9)
+std::vector<int64_t> isa_classes() {
+  return std::vector<int64_t>(kIsaClassFirstRows, kIsaClassFirstRows + kIsaClasses);
+}
+
+namespace {
+Isa parse_isa(const std::string& name) {
   TORCH_CHECK(cpu_supported(), "this CPU has no AVX2/FMA, so no instruction set can be chosen");
-  Isa isa;
-  if (name.empty() || name == "auto") isa = Isa::avx2;
-  else if (name == "avx2") isa = Isa::avx2;
-  else if (name == "avx512-emulated") isa = Isa::avx512_emulated;
-  else if (name == "avx512") {
+  if (name.empty() || name == "auto" || name == "avx2") return Isa::avx2;
+  if (name == "avx512-emulated") return Isa::avx512_emulated;
+  if (name == "avx512") {
     TORCH_CHECK(cpu_has_avx512(), "this CPU has no AVX-512F instructions (use avx2, or avx512-emulated to test)");
-    isa = Isa::avx512;
-  } else TORCH_CHECK(false, "no instruction set '", name, "'; the choices are auto, avx2, avx512, avx512-emulated");
-  g_isa = isa;
+    return Isa::avx512;
+  }
+  TORCH_CHECK(false, "no instruction set '", name, "'; the choices are auto, avx2, avx512, avx512-emulated");
+  return Isa::none;
+}
+}  // namespace
+
+// The instruction set of the calls of the class whose first row count is
+// ``first_rows`` (one of isa_classes()); returns the one set.
+std::string set_isa_for_rows(int64_t first_rows, const std::string& name) {
+  int c = 0;
+  while (c < kIsaClasses && kIsaClassFirstRows[c] != first_rows) ++c;
+  TORCH_CHECK(c < kIsaClasses, "set_isa_for_rows: ", first_rows, " rows does not start a class (1, 2, 5 or 9)");
+  const Isa isa = parse_isa(name);
+  g_isa[c] = isa;
+  return isa_name(isa);
+}
+
+// The instruction set of every call: "" (or "auto": AVX2 here, the
+// measured choice being the plugin's, in Python), else one of "avx2",
+// "avx512", "avx512-emulated", refused where the CPU lacks it.  Returns the
+// one chosen.
+std::string select_isa(const std::string& name) {
+  const Isa isa = parse_isa(name);
+  for (int c = 0; c < kIsaClasses; ++c) g_isa[c] = isa;
   return isa_name(isa);
 }
 
@@ -455,7 +501,7 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
     return;
   }
   // rows interleaved per group: xt[g][k][r]
-  const Isa isa = g_isa;
+  const Isa isa = g_isa[isa_class(m)];
   const bool wide = isa == Isa::avx512 || isa == Isa::avx512_emulated;
   const Layout lay = layout_for(m, wide);
   const int64_t group_rows = lay.group_rows;
@@ -1632,9 +1678,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-blocked float32 products (y = x W^T + b) for few-row verify passes";
   m.def("supported", &supported, "whether this CPU runs the kernel (AVX2 and FMA)");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU (and its OS) runs the AVX-512 blocks");
-  m.def("isa", &isa, "the instruction set the products run on here: avx512, avx2, avx512-emulated, or none");
+  m.def("isa", &isa, "the instruction set the products run on here: avx512, avx2, avx512-emulated, none, or mixed "
+        "(it differs by the calls' rows: isa_for_rows)");
+  m.def("isa_for_rows", &isa_for_rows, "the instruction set of a product of m rows");
+  m.def("isa_classes", &isa_classes, "the first row count of each class of calls with an instruction set of its own");
+  m.def("set_isa_for_rows", &set_isa_for_rows,
+        "choose the instruction set of the class of calls starting at first_rows (avx2, avx512, avx512-emulated); returns it");
   m.def("select_isa", &select_isa,
-        "choose the products' instruction set ('' or auto: the default, avx2; avx2, avx512, avx512-emulated); returns it");
+        "choose the products' instruction set for every call ('' or auto: avx2; avx2, avx512, avx512-emulated); returns it");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
