@@ -209,9 +209,10 @@ def test_measuring_the_isas_times_every_class_on_each_and_leaves_the_default():
     (here AVX2 and the emulated AVX-512 blocks, which every x86-64 CPU with
     AVX2 runs) and leaves every class on the first candidate;
     choose_isa_by_rows applies what pick_isa_by_rows makes of it."""
-    before = kernels.isa_by_rows()
+    before, threads = kernels.isa_by_rows(), torch.get_num_threads()
     try:
         times = kernels.measure_isas(("avx2", "avx512-emulated"), rounds=1)
+        assert torch.get_num_threads() == threads  # measured on one thread, the count restored
         assert sorted(times) == [1, 2, 5, 9]
         assert all(sorted(by) == ["avx2", "avx512-emulated"] and all(0 < ms < 1e4 for ms in by.values())
                    for by in times.values()), times

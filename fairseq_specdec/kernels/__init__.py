@@ -159,7 +159,10 @@ def measure_isas(candidates: Sequence[str], rounds: int = 5) -> Dict[int, Dict[s
     as the demo verifier's decoder: read from beyond the core's own caches
     at each pass, as a decoding reads its weights), on each candidate in
     turn, the candidates alternating within every round; a candidate's time
-    is its fastest round.  Leaves every class on the first candidate."""
+    is its fastest round.  On one thread (torch's count restored after):
+    what the benchmarks time, and no thread pool is started at import, so a
+    process may fork after importing the plugin.  Leaves every class on the
+    first candidate."""
     import time
 
     from . import rowgemm
@@ -169,6 +172,8 @@ def measure_isas(candidates: Sequence[str], rounds: int = 5) -> Dict[int, Dict[s
                for _ in range(8)]
     inputs = {rows: torch.randn(rows, 512, generator=gen) for rows in ISA_PROBE_ROWS.values()}
     best = {first: {name: float("inf") for name in candidates} for first in isa_classes()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for r in range(rounds + 1):  # round 0 only warms (the code paged in, the weights touched)
             for name in (candidates if r % 2 == 0 else list(reversed(candidates))):
@@ -182,6 +187,7 @@ def measure_isas(candidates: Sequence[str], rounds: int = 5) -> Dict[int, Dict[s
                         best[first][name] = min(best[first][name], (time.perf_counter() - t0) * 1000.0)
     finally:
         _ext.select_isa(candidates[0])
+        torch.set_num_threads(threads)
     return best
 
 
@@ -192,7 +198,6 @@ def choose_isa_by_rows(candidates: Sequence[str]) -> Dict[int, Dict[str, float]]
     times = measure_isas(candidates)
     set_isa_by_rows(pick_isa_by_rows(times))
     return times
-
 
 
 def unavailable_reason() -> Optional[str]:
