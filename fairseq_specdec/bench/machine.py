@@ -11,8 +11,8 @@ interleaved run and roofline (and so of every report made from them).
   (:func:`fairseq_specdec.kernels.isa`), or ``"torch"`` where they cannot
   run (torch's products then);
 * ``plugin_isa_measured`` (only where the plugin measured its instruction
-  sets at import, on a CPU with AVX-512F): the pass each class of row
-  counts was timed with on each, ``{first rows: {isa: ms}}``
+  sets at import, on a CPU with AVX-512F): the passes each class of row
+  counts was timed with on each, ``{first rows: {isa: [ms of each round]}}``
   (:data:`fairseq_specdec.kernels.ISA_MEASURED`);
 * ``torch``: torch's version and the CPU capability its own kernels use
   (``torch.backends.cpu.get_cpu_capability()``);
@@ -102,7 +102,7 @@ def describe(ct2_model: Optional[str] = None) -> Dict:
     info["cores"] = os.cpu_count()
     info["plugin_isa"] = kernels.isa() or "torch"
     if kernels.ISA_MEASURED:
-        info["plugin_isa_measured"] = {str(first): {name: round(ms, 3) for name, ms in by_isa.items()}
+        info["plugin_isa_measured"] = {str(first): {name: [round(ms, 3) for ms in rounds] for name, rounds in by_isa.items()}
                                        for first, by_isa in kernels.ISA_MEASURED.items()}
     info["torch"] = {"version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if ct2_model is not None:

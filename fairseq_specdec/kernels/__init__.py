@@ -86,12 +86,12 @@ ISAS = ("auto", "avx2", "avx512", "avx512-emulated")
 #: row count, :func:`isa_classes`) when the instruction sets are measured
 ISA_PROBE_ROWS = {1: 1, 2: 4, 5: 8, 9: 32}
 #: a measured choice keeps the first candidate (AVX2) unless another is at
-#: least this much faster (a fraction of the first's time), so that a tie
-#: does not flip from one process to the next
+#: least this much faster (the median of its time over the first's, paired
+#: round by round), so that a tie does not flip from one process to the next
 ISA_MARGIN = 0.03
-#: the measurement behind the import-time choice: {first rows: {isa: ms}}
-#: (empty where nothing was measured)
-ISA_MEASURED: Dict[int, Dict[str, float]] = {}
+#: the measurement behind the import-time choice: {first rows: {isa: [ms of
+#: each round]}} (empty where nothing was measured)
+ISA_MEASURED: Dict[int, Dict[str, List[float]]] = {}
 
 
 def _select_isa() -> None:
@@ -140,29 +140,35 @@ def set_isa_by_rows(table: Dict[int, str]) -> None:
         _ext.set_isa_for_rows(first, name)
 
 
-def pick_isa_by_rows(times: Dict[int, Dict[str, float]], margin: float = ISA_MARGIN) -> Dict[int, str]:
-    """{first rows: isa} from measured times ({first rows: {isa: ms}}, the
-    first isa of each the default): another isa only where it took at most
-    ``1 - margin`` of the default's time, the fastest such."""
+def pick_isa_by_rows(times: Dict[int, Dict[str, List[float]]], margin: float = ISA_MARGIN) -> Dict[int, str]:
+    """{first rows: isa} from measured times ({first rows: {isa: [ms of
+    each round]}}, the first isa of each the default, the rounds paired:
+    timed back to back): another isa only where the median over the rounds
+    of its time over the default's is at most ``1 - margin``, the lowest
+    such.  A ratio of two neighbouring timings is what a machine whose
+    speed drifts from one round to the next still measures well."""
+    import statistics
+
     table = {}
     for first, by_isa in times.items():
         names = list(by_isa)
-        default = names[0]
-        best = min(names, key=lambda name: by_isa[name])
-        table[first] = best if by_isa[best] <= (1.0 - margin) * by_isa[default] else default
+        default = by_isa[names[0]]
+        ratio = {name: statistics.median(t / d for t, d in zip(by_isa[name], default)) for name in names}
+        best = min(names, key=lambda name: ratio[name])
+        table[first] = best if ratio[best] <= 1.0 - margin else names[0]
     return table
 
 
-def measure_isas(candidates: Sequence[str], rounds: int = 5) -> Dict[int, Dict[str, float]]:
-    """{first rows of each class: {isa: ms}}: a pass of :data:`ISA_PROBE_ROWS`
-    rows through 8 float32 weights of 1024 x 512 (16 MiB in all, as much
-    as the demo verifier's decoder: read from beyond the core's own caches
-    at each pass, as a decoding reads its weights), on each candidate in
-    turn, the candidates alternating within every round; a candidate's time
-    is its fastest round.  On one thread (torch's count restored after):
-    what the benchmarks time, and no thread pool is started at import, so a
-    process may fork after importing the plugin.  Leaves every class on the
-    first candidate."""
+def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[str, List[float]]]:
+    """{first rows of each class: {isa: [ms of each round]}}: a pass of
+    :data:`ISA_PROBE_ROWS` rows through 8 float32 weights of 1024 x 512
+    (16 MiB in all, as much as the demo verifier's decoder: read from beyond
+    the core's own caches at each pass, as a decoding reads its weights),
+    each class's pass on every candidate back to back in each round, their
+    order alternating from round to round.  On one thread (torch's count
+    restored after): what the benchmarks time, and no thread pool is
+    started at import, so a process may fork after importing the plugin.
+    Leaves every class on the first candidate."""
     import time
 
     from . import rowgemm
@@ -171,27 +177,27 @@ def measure_isas(candidates: Sequence[str], rounds: int = 5) -> Dict[int, Dict[s
     weights = [rowgemm.PackedLinear(torch.randn(1024, 512, generator=gen), torch.randn(1024, generator=gen))
                for _ in range(8)]
     inputs = {rows: torch.randn(rows, 512, generator=gen) for rows in ISA_PROBE_ROWS.values()}
-    best = {first: {name: float("inf") for name in candidates} for first in isa_classes()}
+    times = {first: {name: [] for name in candidates} for first in isa_classes()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for r in range(rounds + 1):  # round 0 only warms (the code paged in, the weights touched)
-            for name in (candidates if r % 2 == 0 else list(reversed(candidates))):
-                _ext.select_isa(name)
-                for first in best:
-                    x = inputs[ISA_PROBE_ROWS[first]]
+            for first, by_isa in times.items():
+                x = inputs[ISA_PROBE_ROWS[first]]
+                for name in (candidates if r % 2 == 0 else list(reversed(candidates))):
+                    _ext.select_isa(name)
                     t0 = time.perf_counter()
                     for linear in weights:
                         linear(x)
                     if r > 0:
-                        best[first][name] = min(best[first][name], (time.perf_counter() - t0) * 1000.0)
+                        by_isa[name].append((time.perf_counter() - t0) * 1000.0)
     finally:
         _ext.select_isa(candidates[0])
         torch.set_num_threads(threads)
-    return best
+    return times
 
 
-def choose_isa_by_rows(candidates: Sequence[str]) -> Dict[int, Dict[str, float]]:
+def choose_isa_by_rows(candidates: Sequence[str]) -> Dict[int, Dict[str, List[float]]]:
     """Measure ``candidates`` (:func:`measure_isas`; the first is the
     default), give each class of products the one that measured faster
     (:func:`pick_isa_by_rows`) and return the measurement."""
