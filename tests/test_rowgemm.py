@@ -222,6 +222,7 @@ def test_measuring_the_isas_times_every_class_on_each_and_leaves_the_default():
         times = kernels.measure_isas(("avx2", "avx512-emulated"), rounds=1)
         assert torch.get_num_threads() == threads  # measured on one thread, the count restored
         assert sorted(times) == [1, 2, 5, 9]
+        assert kernels.isa_probe_rows() == {1: 1, 2: 4, 5: 8, 9: 32}  # each class at its largest rows, 32 for 9+
         assert all(sorted(by) == ["avx2", "avx512-emulated"] and all(len(ms) == 1 and 0 < ms[0] < 1e4 for ms in by.values())
                    for by in times.values()), times
         assert set(kernels.isa_by_rows().values()) == {"avx2"}

@@ -82,9 +82,10 @@ ISA_ENV = "FAIRSEQ_SPECDEC_ISA"
 ISAS = ("auto", "avx2", "avx512", "avx512-emulated")
 
 
-#: the rows of the product timed for each class of row counts (by its first
-#: row count, :func:`isa_classes`) when the instruction sets are measured
-ISA_PROBE_ROWS = {1: 1, 2: 4, 5: 8, 9: 32}
+#: the rows of the pass timed for the last class of row counts (9 or more)
+#: when the instruction sets are measured; every other class is timed at its
+#: largest row count (:func:`isa_probe_rows`)
+ISA_PROBE_OPEN_ROWS = 32
 #: a measured choice keeps the first candidate (AVX2) unless another is at
 #: least this much faster (the median of its time over the first's, paired
 #: round by round), so that a tie does not flip from one process to the next
@@ -117,6 +118,15 @@ def isa_classes() -> List[int]:
     instruction set of its own (``[1, 2, 5, 9]``: 1 row, 2-4, 5-8, 9 or
     more); empty where the native kernels cannot run."""
     return list(_ext.isa_classes()) if _SUPPORTED else []
+
+
+def isa_probe_rows() -> Dict[int, int]:
+    """{first row count of a class: the rows its measured pass has}: the
+    class's largest row count, :data:`ISA_PROBE_OPEN_ROWS` for the last
+    (``{1: 1, 2: 4, 5: 8, 9: 32}``)."""
+    firsts = isa_classes()
+    return {first: (firsts[i + 1] - 1 if i + 1 < len(firsts) else ISA_PROBE_OPEN_ROWS)
+            for i, first in enumerate(firsts)}
 
 
 def isa_by_rows() -> Dict[int, str]:
@@ -161,7 +171,7 @@ def pick_isa_by_rows(times: Dict[int, Dict[str, List[float]]], margin: float = I
 
 def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[str, List[float]]]:
     """{first rows of each class: {isa: [ms of each round]}}: a pass of
-    :data:`ISA_PROBE_ROWS` rows through 8 float32 weights of 1024 x 512
+    :func:`isa_probe_rows` rows through 8 float32 weights of 1024 x 512
     (16 MiB in all, as much as the demo verifier's decoder: read from beyond
     the core's own caches at each pass, as a decoding reads its weights),
     each class's pass on every candidate back to back in each round, their
@@ -176,14 +186,15 @@ def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[s
     gen = torch.Generator().manual_seed(0)
     weights = [rowgemm.PackedLinear(torch.randn(1024, 512, generator=gen), torch.randn(1024, generator=gen))
                for _ in range(8)]
-    inputs = {rows: torch.randn(rows, 512, generator=gen) for rows in ISA_PROBE_ROWS.values()}
+    probe_rows = isa_probe_rows()
+    inputs = {first: torch.randn(rows, 512, generator=gen) for first, rows in probe_rows.items()}
     times = {first: {name: [] for name in candidates} for first in isa_classes()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for r in range(rounds + 1):  # round 0 only warms (the code paged in, the weights touched)
             for first, by_isa in times.items():
-                x = inputs[ISA_PROBE_ROWS[first]]
+                x = inputs[first]
                 for name in (candidates if r % 2 == 0 else list(reversed(candidates))):
                     _ext.select_isa(name)
                     t0 = time.perf_counter()
