@@ -180,6 +180,9 @@ def test_each_class_of_row_counts_runs_its_own_isa_bitwise_alike():
         assert kernels.isa() == "avx512-emulated"
         with pytest.raises(ValueError, match=r"no class of products starts at \[3\] rows"):
             kernels.set_isa_by_rows({3: "avx2"})
+        with pytest.raises(ValueError, match="no instruction set avx1024 for a class"):
+            kernels.set_isa_by_rows({1: "avx2", 9: "avx1024"})
+        assert kernels.isa() == "avx512-emulated"  # refused before any class changed
         if not kernels.has_avx512():
             with pytest.raises(ValueError, match="no AVX-512F"):
                 kernels.set_isa_by_rows({1: "avx2", 9: "avx512"})

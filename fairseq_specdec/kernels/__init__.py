@@ -144,6 +144,9 @@ def set_isa_by_rows(table: Dict[int, str]) -> None:
     unknown = sorted(set(table) - set(isa_classes()))
     if unknown:
         raise ValueError(f"no class of products starts at {unknown} rows; the classes start at {isa_classes()}")
+    names = sorted(set(table.values()) - set(ISAS))
+    if names:
+        raise ValueError(f"no instruction set {', '.join(names)} for a class; the choices are {', '.join(ISAS)}")
     if "avx512" in table.values() and not _ext.has_avx512():
         raise ValueError("this CPU has no AVX-512F instructions")
     for first, name in table.items():
