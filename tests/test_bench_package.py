@@ -389,6 +389,8 @@ def test_variants_repeat_only_the_plugins_rows():
     # the products' instruction set is chosen at import: a row that sets it is refused, not ignored
     with pytest.raises(ValueError, match="FAIRSEQ_SPECDEC_ISA=avx2: FAIRSEQ_SPECDEC_ISA is read once"):
         split_environment(["--beam", "1", "FAIRSEQ_SPECDEC_ISA=avx2"])
+    with pytest.raises(ValueError, match="FAIRSEQ_SPECDEC_PREFETCH=off: FAIRSEQ_SPECDEC_PREFETCH is read once"):
+        split_environment(["--beam", "1", "FAIRSEQ_SPECDEC_PREFETCH=off"])
 
 
 def test_a_variant_for_some_row_kinds_repeats_only_their_rows():
@@ -456,7 +458,8 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
     strict plugin decodings are identical to fairseq's --beam 1 row; a row
     that decodes differently (beam 2) is counted as such.  A --process-row
     decodes in a process started with its assignments: here another copy of
-    the plugin (PYTHONPATH) with the emulated AVX-512 products."""
+    the plugin (PYTHONPATH) with the emulated AVX-512 products and no
+    prefetch, which the lines under the table name."""
     other = tmp_path / "other-checkout"
     shutil.copytree(H.ROOT / "fairseq_specdec", other / "fairseq_specdec",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -467,7 +470,8 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
         "--row", "beam1=--decoding autoregressive",
         "--row", f"loop-greedy=--path {ar_checkpoint} --decoding loop-greedy FAIRSEQ_SPECDEC_OFF=products",
         "--row", "beam2=--decoding autoregressive --beam 2",
-        "--process-row", f"other=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512-emulated PYTHONPATH={other}",
+        "--process-row", f"other=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512-emulated PYTHONPATH={other} "
+                         "FAIRSEQ_SPECDEC_PREFETCH=off",
         "--row", "copy=--decoding input-guided --specdec-backend reference", "--json", out, "--by-batch",
     ])
     result = json.loads(out.read_text())
@@ -475,10 +479,14 @@ def test_interleave_command_times_rows_in_turn_and_checks_identity(toy_bin, ar_c
     assert result["sentences"] == 8 and list(rows) == ["beam1", "loop-greedy", "beam2", "other", "copy"]
     process = rows["other"]["process"]
     assert process["package"] == str(other / "fairseq_specdec") and process["isa"] == "avx512-emulated"
-    assert process["env"] == {"FAIRSEQ_SPECDEC_ISA": "avx512-emulated", "PYTHONPATH": str(other)}
+    assert process["prefetch"] == "off"
+    assert process["env"] == {"FAIRSEQ_SPECDEC_ISA": "avx512-emulated", "PYTHONPATH": str(other),
+                              "FAIRSEQ_SPECDEC_PREFETCH": "off"}
     assert rows["other"]["identical"] == 8 and rows["other"]["tok"] == 1.0
     assert "process" not in rows["loop-greedy"] and H.is_fresh_process_isa(result["machine"]["plugin_isa"])
-    assert f"other: in its own process (FAIRSEQ_SPECDEC_ISA=avx512-emulated PYTHONPATH={other}): " in proc.stdout
+    assert (f"other: in its own process (FAIRSEQ_SPECDEC_ISA=avx512-emulated PYTHONPATH={other} "
+            f"FAIRSEQ_SPECDEC_PREFETCH=off): the plugin of {other / 'fairseq_specdec'}, products avx512-emulated, "
+            "prefetch off") in proc.stdout
     assert result["by_batch"] and "2 rounds taken batch by batch" in proc.stdout
     # Tok.: one token per iteration for greedy, at least one with drafts, none for fairseq's decoders
     assert rows["loop-greedy"]["tok"] == 1.0 and rows["copy"]["tok"] >= 1.0

@@ -237,6 +237,114 @@ def test_measuring_the_isas_times_every_class_on_each_and_leaves_the_default():
 
 
 @needs_kernel
+def test_the_prefetch_changes_no_product_and_is_set_per_class():
+    """Whether the float32 and bfloat16 products prefetch the next block of
+    weights is set per class of row counts: every pattern gives bitwise the
+    products of the prefetch everywhere, for 1 to 17 rows (each class, and
+    the groups past 8 rows), on AVX2 and the emulated AVX-512 blocks; the
+    table and its description follow the setting; an unknown class is
+    refused before any class changes."""
+    g = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(203, 67, generator=g), torch.randn(203, generator=g)
+    xs = {m: torch.randn(m, 67, generator=g) for m in range(1, 18)}
+    before = kernels.prefetch_by_rows()
+    firsts = kernels.isa_classes()
+    try:
+        for isa in ("avx2", "avx512-emulated"):
+            with H.products_isa(isa):
+                for precision in ("float32", "bfloat16"):
+                    lin = rowgemm.PackedLinear(weight, bias, "relu", precision=precision)
+                    kernels.set_prefetch_by_rows(dict.fromkeys(firsts, True))
+                    assert all(kernels._ext.prefetch_for_rows(m) for m in xs)
+                    reference = {m: lin(x) for m, x in xs.items()}
+                    for off in ([1], [2], [5], [9], [1, 2], [1, 2, 5, 9]):
+                        table = {first: first not in off for first in firsts}
+                        kernels.set_prefetch_by_rows(table)
+                        assert kernels.prefetch_by_rows() == table
+                        for m, x in xs.items():
+                            assert kernels._ext.prefetch_for_rows(m) == table[max(f for f in table if f <= m)]
+                            assert torch.equal(lin(x), reference[m]), (isa, precision, off, m)
+        kernels.set_prefetch_by_rows({1: False, 2: False, 5: True, 9: True})
+        assert kernels.describe_prefetch() == "off (1-4 rows), on (5+ rows)"
+        kernels.set_prefetch_by_rows(dict.fromkeys(firsts, False))
+        assert kernels.describe_prefetch() == "off"
+        with pytest.raises(ValueError, match=r"no class of products starts at \[3\] rows"):
+            kernels.set_prefetch_by_rows({1: True, 3: True})
+        assert kernels.describe_prefetch() == "off"  # refused before any class changed
+    finally:
+        kernels.set_prefetch_by_rows(before)
+    assert kernels.prefetch_by_rows() == before
+
+
+def test_the_prefetch_is_dropped_where_the_probes_measured_it_faster_without():
+    """pick_prefetch_by_rows: a class keeps the prefetch unless the
+    geometric mean over the probes (weights the cache holds, weights
+    streamed from memory) of the median over the paired rounds of its time
+    without over its time with is at most 1 - ISA_MARGIN: a near-tie on one
+    probe does not forfeit a large gain on the other, a large loss on one
+    is not taken for a small gain on the other, and one slow round decides
+    nothing."""
+    def probes(cached, streamed):
+        return {"16 MiB": {"on": [1.0, 1.0, 1.0], "off": cached}, "64 MiB": {"on": [2.0, 2.0, 2.0], "off": streamed}}
+
+    times = {1: probes([1.05, 1.06, 1.04], [1.4, 1.5, 1.4]),  # 5% slower cached, 0.7x streamed: dropped
+             2: probes([0.98, 0.98, 0.98], [2.0, 2.0, 2.0]),  # 2% on one, a tie on the other: within the margin
+             5: probes([0.8, 0.8, 0.8], [2.6, 2.6, 2.6]),     # 0.8x cached, 1.3x streamed: kept
+             9: {"16 MiB": {"on": [1.0, 5.0, 1.0], "off": [1.0, 1.0, 1.0]},  # only one round hit
+                 "64 MiB": {"on": [1.0, 5.0, 1.0], "off": [1.0, 1.0, 1.0]}}}
+    assert kernels.pick_prefetch_by_rows(times) == {1: False, 2: True, 5: True, 9: True}
+    assert kernels.pick_prefetch_by_rows({2: times[2]}, margin=0.0) == {2: False}
+
+
+@needs_kernel
+def test_measuring_the_prefetch_times_the_classes_up_to_8_rows_and_leaves_it_on():
+    """measure_prefetch times each class of at most 8 rows with and without
+    the prefetch on both probes, on one thread (the count restored), and
+    leaves every class prefetching; choose_prefetch_by_rows applies what
+    pick_prefetch_by_rows makes of it."""
+    before, threads = kernels.prefetch_by_rows(), torch.get_num_threads()
+    try:
+        times = kernels.measure_prefetch(rounds=1)
+        assert torch.get_num_threads() == threads
+        assert sorted(times) == [1, 2, 5]
+        assert all(sorted(by) == sorted(kernels.PREFETCH_PROBES) for by in times.values()), times
+        assert all(sorted(t) == ["off", "on"] and all(len(ms) == 1 and 0 < ms[0] < 1e4 for ms in t.values())
+                   for by in times.values() for t in by.values()), times
+        assert set(kernels.prefetch_by_rows().values()) == {True}
+        measured = kernels.choose_prefetch_by_rows()
+        want = kernels.pick_prefetch_by_rows(measured)
+        assert kernels.prefetch_by_rows() == {**want, 9: True}
+    finally:
+        kernels.set_prefetch_by_rows(before)
+
+
+@needs_kernel
+def test_the_prefetch_is_measured_at_first_use_unless_asked_and_refused_by_name():
+    """FAIRSEQ_SPECDEC_PREFETCH unset: nothing is measured at import; the
+    first packed weight measures the classes of up to 8 rows (9+ keep the
+    prefetch) and the machine's description holds the times; ``on`` and
+    ``off`` set every class and measure nothing; another value is refused
+    at import, naming the variable."""
+    code = ("from fairseq_specdec import kernels; from fairseq_specdec.bench import machine; import torch; "
+            "print('AT IMPORT', sorted(kernels.PREFETCH_MEASURED)); "
+            "from fairseq_specdec.kernels import rowgemm; rowgemm.PackedLinear(torch.ones(8, 8)); "
+            "print('MEASURED', sorted(kernels.PREFETCH_MEASURED), 'plugin_prefetch_measured' in machine.describe()); "
+            "print('TABLE', kernels.prefetch_by_rows()[9], sorted(set(kernels.prefetch_by_rows().values())))")
+
+    def run(value):
+        return H.run([sys.executable, "-c", code], check=False, env={kernels.PREFETCH_ENV: value}, timeout=300)
+
+    unset = run(None)
+    assert "AT IMPORT []\nMEASURED [1, 2, 5] True\nTABLE True" in unset.stdout, unset.stderr[-2000:]
+    for value, table in (("on", "[True]"), ("off", "[False]")):
+        chosen = run(value)
+        assert f"AT IMPORT []\nMEASURED [] False\nTABLE {value == 'on'} {table}" in chosen.stdout, chosen.stderr[-2000:]
+    bad = run("sometimes")
+    assert bad.returncode != 0
+    assert "FAIRSEQ_SPECDEC_PREFETCH=sometimes: the choices are auto, on, off" in bad.stderr, bad.stderr[-2000:]
+
+
+@needs_kernel
 def test_leading_dimensions_and_empty_inputs():
     weight = torch.randn(30, 16)
     lin = rowgemm.PackedLinear(weight)
@@ -409,11 +517,12 @@ def test_compact_rows_moves_the_kept_rows_up_in_place():
 
 
 @needs_kernel
-def test_the_import_measures_the_isas_on_a_cpu_with_avx512():
-    """The import-time path of a CPU with AVX-512F, run on any CPU: a fresh
-    import of the kernels package over an extension that says it has
-    AVX-512F and runs the emulated blocks where asked for AVX-512 measures
-    every class on both, applies the choice and describes it."""
+def test_the_first_use_measures_the_isas_on_a_cpu_with_avx512():
+    """The path of a CPU with AVX-512F, run on any CPU: a fresh import of
+    the kernels package over an extension that says it has AVX-512F and runs
+    the emulated blocks where asked for AVX-512 measures nothing at import;
+    the first packed weight measures every class on both, applies the
+    choice, and isa() describes it."""
     code = textwrap.dedent("""
         import sys
         from fairseq_specdec import kernels
@@ -428,12 +537,17 @@ def test_the_import_measures_the_isas_on_a_cpu_with_avx512():
                 del sys.modules[name]
         import fairseq_specdec.kernels as fresh
         assert fresh is not kernels and fresh._ext is ext
+        assert not fresh.ISA_MEASURED  # nothing at import
+        import torch
+        from fairseq_specdec.kernels import rowgemm
+        rowgemm.PackedLinear(torch.ones(8, 8))  # the first use
         print("MEASURED", sorted(fresh.ISA_MEASURED), sorted(fresh.ISA_MEASURED[9]))
         table = fresh.isa_by_rows()
         assert table == {f: real(n) for f, n in fresh.pick_isa_by_rows(fresh.ISA_MEASURED).items()}, table
         print("ISA", fresh.isa())
     """)
-    proc = H.run([sys.executable, "-c", code], check=False, env={kernels.ISA_ENV: None}, timeout=300)
+    proc = H.run([sys.executable, "-c", code], check=False, env={kernels.ISA_ENV: None, kernels.PREFETCH_ENV: "on"},
+                 timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MEASURED [1, 2, 5, 9] ['avx2', 'avx512']" in proc.stdout, proc.stdout
     assert "ISA " in proc.stdout

@@ -284,7 +284,8 @@ class ProcessRow:
             self.close()
             raise
         self.ids = loaded["ids"]
-        self.described = {"process": {"env": row["env"], "package": loaded["package"], "isa": loaded["isa"]}}
+        self.described = {"process": {"env": row["env"], "package": loaded["package"], "isa": loaded["isa"],
+                                      "prefetch": loaded.get("prefetch")}}
 
     def ask(self, request: Dict) -> Dict:
         try:
@@ -466,7 +467,8 @@ def timed_rounds(args, rows: List[Dict], extra_rows: List[Dict], ct2_dir: Option
         process = entry.described["process"]
         settings = " ".join(f"{k}={v}" for k, v in process["env"].items()) or "this environment"
         lines.append(f"{entry.row['name']}: in its own process ({settings}): the plugin of "
-                     f"{process['package']}, products {process['isa'] or 'not named by that version'}")
+                     f"{process['package']}, products {process['isa'] or 'not named by that version'}"
+                     + (f", prefetch {process['prefetch']}" if process.get("prefetch") else ""))
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:

@@ -55,10 +55,12 @@ def serve(requests, reply) -> None:
         if "load" in request:
             task, models, generator, batches = load_decoder(request["load"])
             data = list(batches())
-            # a checkout older than the instruction-set choice has no kernels.isa
+            # a checkout older than the instruction-set (the prefetch) choice has no kernels.isa (describe_prefetch)
             isa = kernels.isa() if "isa" in vars(kernels) else None
+            prefetch = kernels.describe_prefetch() if "describe_prefetch" in vars(kernels) else None
             send({"ids": [sample["id"].tolist() for sample in data],
-                  "package": os.path.dirname(os.path.abspath(fairseq_specdec.__file__)), "isa": isa})
+                  "package": os.path.dirname(os.path.abspath(fairseq_specdec.__file__)), "isa": isa,
+                  "prefetch": prefetch})
         elif "decode" in request:
             sample = data[request["decode"]]
             t0 = time.perf_counter()

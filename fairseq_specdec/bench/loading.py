@@ -26,19 +26,19 @@ def split_environment(extra: List[str]) -> Tuple[Dict[str, str], List[str]]:
     ``NAME=value`` words (environment assignments with an upper-case name,
     e.g. ``FAIRSEQ_SPECDEC_OFF=accept``; no fairseq option or value looks
     like one) are set while the row's generator is built; the rest are
-    fairseq-generate's options, in their order.  ``FAIRSEQ_SPECDEC_ISA`` is
-    refused: it is read once, at import, so a row's assignment would change
-    nothing."""
-    from fairseq_specdec.kernels import ISA_ENV
+    fairseq-generate's options, in their order.  ``FAIRSEQ_SPECDEC_ISA``
+    and ``FAIRSEQ_SPECDEC_PREFETCH`` are refused: they are read once, at
+    import, so a row's assignment would change nothing."""
+    from fairseq_specdec.kernels import ISA_ENV, PREFETCH_ENV
 
     env, rest = {}, []
     for word in extra:
         match = ASSIGNMENT.match(word)
         if match is None:
             rest.append(word)
-        elif match.group(1) == ISA_ENV:
-            raise ValueError(f"{word}: {ISA_ENV} is read once, when the plugin is imported, so one row cannot "
-                             f"set it; set it for the whole command, and compare instruction sets in two processes "
+        elif match.group(1) in (ISA_ENV, PREFETCH_ENV):
+            raise ValueError(f"{word}: {match.group(1)} is read once, when the plugin is imported, so one row cannot "
+                             f"set it; set it for the whole command, and compare settings in two processes "
                              f"(docs/benchmarking.md)")
         else:
             env[match.group(1)] = match.group(2)

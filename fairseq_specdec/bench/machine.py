@@ -11,9 +11,15 @@ interleaved run and roofline (and so of every report made from them).
   (:func:`fairseq_specdec.kernels.isa`), or ``"torch"`` where they cannot
   run (torch's products then);
 * ``plugin_isa_measured`` (only where the plugin measured its instruction
-  sets at import, on a CPU with AVX-512F): the passes each class of row
-  counts was timed with on each, ``{first rows: {isa: [ms of each round]}}``
+  sets, on a CPU with AVX-512F): the passes each class of row counts was
+  timed with on each, ``{first rows: {isa: [ms of each round]}}``
   (:data:`fairseq_specdec.kernels.ISA_MEASURED`);
+* ``plugin_prefetch``: whether the native float32 products prefetch the
+  next block of weights (:func:`fairseq_specdec.kernels.describe_prefetch`:
+  ``on``, ``off``, or by class of row counts), absent where they cannot run;
+* ``plugin_prefetch_measured`` (only where the plugin measured it): ``{first
+  rows: {probe: {"on" or "off": [ms of each round]}}}``
+  (:data:`fairseq_specdec.kernels.PREFETCH_MEASURED`);
 * ``torch``: torch's version and the CPU capability its own kernels use
   (``torch.backends.cpu.get_cpu_capability()``);
 * ``ctranslate2`` (when asked with a converted model): its version and what
@@ -104,6 +110,14 @@ def describe(ct2_model: Optional[str] = None) -> Dict:
     if kernels.ISA_MEASURED:
         info["plugin_isa_measured"] = {str(first): {name: [round(ms, 3) for ms in rounds] for name, rounds in by_isa.items()}
                                        for first, by_isa in kernels.ISA_MEASURED.items()}
+    prefetch = kernels.describe_prefetch()
+    if prefetch is not None:
+        info["plugin_prefetch"] = prefetch
+    if kernels.PREFETCH_MEASURED:
+        info["plugin_prefetch_measured"] = {
+            str(first): {probe: {mode: [round(ms, 3) for ms in rounds] for mode, rounds in by_mode.items()}
+                         for probe, by_mode in by_probe.items()}
+            for first, by_probe in kernels.PREFETCH_MEASURED.items()}
     info["torch"] = {"version": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if ct2_model is not None:
         info["ctranslate2"] = ct2_info(ct2_model)
@@ -114,7 +128,8 @@ def header(info: Dict) -> str:
     """One line naming the machine, for a table's header."""
     features = ", ".join(info.get("cpu_features", [])) or "none of " + "/".join(FEATURES[:3])
     parts = [f"CPU: {info['cpu']} [{features}], {info.get('cores', '?')} logical CPUs",
-             f"plugin products: {info['plugin_isa']}",
+             f"plugin products: {info['plugin_isa']}"
+             + (f", prefetch {info['plugin_prefetch']}" if "plugin_prefetch" in info else ""),
              f"torch {info['torch']['version']} ({info['torch']['cpu_capability']})"]
     ct2 = info.get("ctranslate2")
     if ct2 is not None:

@@ -10,21 +10,38 @@ chose the native path; models never import it.  The extension is optional:
 without it (no compiler at install, a CPU without AVX2/FMA) every decoding
 runs on torch's operations.
 
-**Instruction set.**  The products' register blocks are AVX2 ones, or on a
-CPU with AVX-512F, AVX-512 ones (``csrc/rowgemm_avx512.cpp``), bitwise the
-same products.  The choice is made once, at import, here, for each class of
-row counts a product can have (:func:`isa_classes`: 1 row, 2-4, 5-8, 9 or
-more): :data:`ISA_ENV` (``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS`
-for all of them (docs/benchmarking.md); unset (``auto``) on a CPU with
-AVX-512F, each class takes the blocks that measured faster on this CPU
-(:func:`choose_isa_by_rows`: a pass of the class's rows timed on both,
-about a fifth of a second), AVX2 elsewhere.  :func:`isa` says which runs.
+**Instruction set and prefetch.**  The products' register blocks are AVX2
+ones, or on a CPU with AVX-512F, AVX-512 ones (``csrc/rowgemm_avx512.cpp``),
+bitwise the same products; the float32 and bfloat16 products prefetch the
+next block of weights into L2 while a block computes, or not (bitwise the
+same products again).  Both are chosen once per process, here, for each
+class of row counts a product can have (:func:`isa_classes`: 1 row, 2-4,
+5-8, 9 or more):
+
+* :data:`ISA_ENV` (``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS` for
+  every class (docs/benchmarking.md); unset (``auto``) on a CPU with
+  AVX-512F, each class takes the blocks that measured faster on this CPU
+  (:func:`choose_isa_by_rows`: a pass of the class's rows timed on both,
+  about a fifth of a second), AVX2 elsewhere;
+* :data:`PREFETCH_ENV` (``FAIRSEQ_SPECDEC_PREFETCH``) is ``on`` or ``off``
+  for every class; unset (``auto``), each class of up to 8 rows drops the
+  prefetch only where its products measured faster without it on this CPU,
+  over weights that a large last-level cache holds and weights that stream
+  from memory (:func:`choose_prefetch_by_rows`); 9 rows and more keep it.
+
+The variables are checked at import; what they leave to measurement is
+measured at the first use of the products (the first packed weight, or a
+question to :func:`isa`, :func:`isa_by_rows`, :func:`prefetch_by_rows`:
+:func:`ensure_chosen`), so that a process that never runs them (torch's
+products, a GPU) pays nothing.  :func:`isa` and :func:`prefetch_by_rows`
+say what runs.
 
 **Parts.**  :data:`PARTS` names the native parts the backend can be told
 not to use (``resolve_backend(..., off=...)``), so that the benchmark can
 measure what each one gains (its ``FAIRSEQ_SPECDEC_OFF`` rows:
 docs/benchmarking.md); decoding never needs it.
 """
+import math
 import os
 from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
 
@@ -90,27 +107,71 @@ ISA_PROBE_OPEN_ROWS = 32
 #: least this much faster (the median of its time over the first's, paired
 #: round by round), so that a tie does not flip from one process to the next
 ISA_MARGIN = 0.03
-#: the measurement behind the import-time choice: {first rows: {isa: [ms of
-#: each round]}} (empty where nothing was measured)
+#: the measurement behind the instruction set's choice: {first rows: {isa:
+#: [ms of each round]}} (empty where nothing was measured)
 ISA_MEASURED: Dict[int, Dict[str, List[float]]] = {}
 
+#: the environment variable that sets whether the float32 and bfloat16
+#: products prefetch the next block of weights
+PREFETCH_ENV = "FAIRSEQ_SPECDEC_PREFETCH"
+#: what it takes: ``auto`` (or unset: measured per class), ``on``, ``off``
+PREFETCHES = ("auto", "on", "off")
+#: the classes whose prefetch is measured: those of at most this many rows
+#: (more rows compute long enough per weight that the prefetch does not
+#: show, and keep it)
+PREFETCH_MOST_ROWS = 8
+#: the weight sets the prefetch is timed on: {name: (weights, rows,
+#: columns)}: 16 MiB, which a large last-level cache holds from one pass to
+#: the next (the demo verifier's decoder reads 18 MB), and 64 MiB, which
+#: streams from memory at each pass (a transformer-base decoder reads 150 MB)
+PREFETCH_PROBES = {"16 MiB": (8, 1024, 512), "64 MiB": (8, 2048, 1024)}
+#: the measurement behind the prefetch's choice: {first rows: {probe: {"on"
+#: or "off": [ms of each round]}}} (empty where nothing was measured)
+PREFETCH_MEASURED: Dict[int, Dict[str, Dict[str, List[float]]]] = {}
 
-def _select_isa() -> None:
-    """Apply :data:`ISA_ENV`, once, at import; a value not in :data:`ISAS`,
-    or one this CPU cannot run, is refused by the variable's name.  Unset or
-    ``auto`` on a CPU with AVX-512F: :func:`choose_isa_by_rows`."""
+# what the variables left to measure, done by ensure_chosen: None once done
+_PENDING: Optional[Dict[str, bool]] = None
+
+
+def _select() -> None:
+    """Apply :data:`ISA_ENV` and :data:`PREFETCH_ENV`, once, at import; a
+    value not in :data:`ISAS` or :data:`PREFETCHES`, or an instruction set
+    this CPU cannot run, is refused by the variable's name.  What they leave
+    to measurement waits for :func:`ensure_chosen`."""
+    global _PENDING
     wanted = os.environ.get(ISA_ENV, "").strip()
     if wanted and wanted not in ISAS:
         raise ValueError(f"{ISA_ENV}={wanted}: not an instruction set of the plugin's products; "
                          f"the choices are {', '.join(ISAS)}")
+    prefetch = os.environ.get(PREFETCH_ENV, "").strip()
+    if prefetch and prefetch not in PREFETCHES:
+        raise ValueError(f"{PREFETCH_ENV}={prefetch}: the choices are {', '.join(PREFETCHES)}")
     if not _SUPPORTED:
         return  # torch's products: there is nothing to choose
     try:
         _ext.select_isa(wanted)
     except RuntimeError as error:
         raise ValueError(f"{ISA_ENV}={wanted}: {str(error).splitlines()[0]}") from None
-    if wanted in ("", "auto") and _ext.has_avx512():
+    for first in isa_classes():
+        _ext.set_prefetch_for_rows(first, prefetch != "off")
+    _PENDING = {"isa": wanted in ("", "auto") and bool(_ext.has_avx512()),
+                "prefetch": prefetch in ("", "auto")}
+
+
+def ensure_chosen() -> None:
+    """Measure, once per process, what :data:`ISA_ENV` and
+    :data:`PREFETCH_ENV` left to measurement (:func:`choose_isa_by_rows`,
+    then :func:`choose_prefetch_by_rows` on the chosen sets); called at the
+    first packed weight and by the functions that report the choice.  Cheap
+    after the first call."""
+    global _PENDING
+    pending, _PENDING = _PENDING, None  # cleared first: the measurement packs weights itself
+    if not pending:
+        return
+    if pending["isa"]:
         ISA_MEASURED.update(choose_isa_by_rows(("avx2", "avx512")))
+    if pending["prefetch"]:
+        PREFETCH_MEASURED.update(choose_prefetch_by_rows())
 
 
 def isa_classes() -> List[int]:
@@ -132,7 +193,54 @@ def isa_probe_rows() -> Dict[int, int]:
 def isa_by_rows() -> Dict[int, str]:
     """{first row count of a class: its instruction set} (empty where the
     native kernels cannot run)."""
+    ensure_chosen()
     return {first: _ext.isa_for_rows(first) for first in isa_classes()}
+
+
+def prefetch_by_rows() -> Dict[int, bool]:
+    """{first row count of a class: whether its float32 and bfloat16
+    products prefetch} (empty where the native kernels cannot run)."""
+    ensure_chosen()
+    return {first: bool(_ext.prefetch_for_rows(first)) for first in isa_classes()}
+
+
+def set_prefetch_by_rows(table: Dict[int, bool]) -> None:
+    """Set whether each class in ``table`` ({first row count: bool})
+    prefetches; a class that does not exist is refused before any changes."""
+    if unavailable_reason() is not None:
+        raise RuntimeError(unavailable_reason())
+    unknown = sorted(set(table) - set(isa_classes()))
+    if unknown:
+        raise ValueError(f"no class of products starts at {unknown} rows; the classes start at {isa_classes()}")
+    for first, on in table.items():
+        _ext.set_prefetch_for_rows(first, bool(on))
+
+
+def describe_prefetch() -> Optional[str]:
+    """Whether the float32 products prefetch, in words: ``"on"``,
+    ``"off"``, or by class, e.g. ``"off (1-4 rows), on (5+ rows)"``; None
+    where the native kernels cannot run."""
+    if unavailable_reason() is not None:
+        return None
+    table = prefetch_by_rows()
+    return _by_classes({first: "on" if on else "off" for first, on in table.items()})
+
+
+def _by_classes(table: Dict[int, str]) -> str:
+    """{first rows of each class: a name} in words: the name alone where
+    every class has it, else each run of classes with its rows."""
+    firsts = isa_classes()
+    if len(set(table.values())) == 1:
+        return table[firsts[0]]
+    spans = []  # [name, first, last or None], runs of classes with the same name joined
+    for i, first in enumerate(firsts):
+        last = firsts[i + 1] - 1 if i + 1 < len(firsts) else None
+        if spans and spans[-1][0] == table[first]:
+            spans[-1][2] = last
+        else:
+            spans.append([table[first], first, last])
+    rows = lambda a, b: f"{a}+" if b is None else (f"{a}" if a == b else f"{a}-{b}")
+    return ", ".join(f"{name} ({rows(a, b)} row{'' if a == b else 's'})" for name, a, b in spans)
 
 
 def set_isa_by_rows(table: Dict[int, str]) -> None:
@@ -180,7 +288,7 @@ def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[s
     each class's pass on every candidate back to back in each round, their
     order alternating from round to round.  On one thread (torch's count
     restored after): what the benchmarks time, and no thread pool is
-    started at import, so a process may fork after importing the plugin.
+    started by it, so a process may fork after packing its first weights.
     Leaves every class on the first candidate."""
     import time
 
@@ -208,6 +316,72 @@ def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[s
     finally:
         _ext.select_isa(candidates[0])
         torch.set_num_threads(threads)
+    return times
+
+
+def pick_prefetch_by_rows(times: Dict[int, Dict[str, Dict[str, List[float]]]],
+                          margin: float = ISA_MARGIN) -> Dict[int, bool]:
+    """{first rows: prefetch} from measured times ({first rows: {probe:
+    {"on": [ms], "off": [ms]}}}, the rounds paired): a class drops the
+    prefetch only where the geometric mean over the probes of the median
+    over the rounds of its time without it over its time with it is at
+    most ``1 - margin``: the weights that stay in the cache and the weights
+    that stream from memory count alike, so a large gain on one is not
+    given up for a near-tie on the other, nor taken at a large loss."""
+    import statistics
+
+    table = {}
+    for first, by_probe in times.items():
+        ratios = [statistics.median(off / on for off, on in zip(t["off"], t["on"])) for t in by_probe.values()]
+        table[first] = math.prod(ratios) ** (1.0 / len(ratios)) > 1.0 - margin
+    return table
+
+
+def measure_prefetch(rounds: int = 7) -> Dict[int, Dict[str, Dict[str, List[float]]]]:
+    """{first rows of each class of at most :data:`PREFETCH_MOST_ROWS`
+    rows: {probe: {"on": [ms of each round], "off": [...]}}}: a pass of
+    :func:`isa_probe_rows` rows through each of :data:`PREFETCH_PROBES`'
+    weight sets, with and without the prefetch back to back in each round,
+    their order alternating, on the classes' instruction sets as they are,
+    on one thread (as :func:`measure_isas`).  Leaves every class
+    prefetching."""
+    import time
+
+    from . import rowgemm
+
+    firsts = [first for first in isa_classes() if first <= PREFETCH_MOST_ROWS]
+    probe_rows = isa_probe_rows()
+    times = {first: {name: {"on": [], "off": []} for name in PREFETCH_PROBES} for first in firsts}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, (count, n, k) in PREFETCH_PROBES.items():
+            # the values do not matter to the time, only the bytes read: no random numbers to draw
+            weights = [rowgemm.PackedLinear(torch.full((n, k), 0.01 * (i + 1)), None) for i in range(count)]
+            inputs = {first: torch.full((probe_rows[first], k), 0.5) for first in firsts}
+            for r in range(rounds + 1):  # round 0 only warms
+                for first in firsts:
+                    x = inputs[first]
+                    for on in ((True, False) if r % 2 == 0 else (False, True)):
+                        _ext.set_prefetch_for_rows(first, on)
+                        t0 = time.perf_counter()
+                        for linear in weights:
+                            linear(x)
+                        if r > 0:
+                            times[first][name]["on" if on else "off"].append((time.perf_counter() - t0) * 1000.0)
+            del weights
+    finally:
+        for first in firsts:
+            _ext.set_prefetch_for_rows(first, True)
+        torch.set_num_threads(threads)
+    return times
+
+
+def choose_prefetch_by_rows() -> Dict[int, Dict[str, Dict[str, List[float]]]]:
+    """Measure the prefetch (:func:`measure_prefetch`), set each class as
+    :func:`pick_prefetch_by_rows` makes of it, and return the measurement."""
+    times = measure_prefetch()
+    set_prefetch_by_rows(pick_prefetch_by_rows(times))
     return times
 
 
@@ -244,18 +418,7 @@ def isa() -> Optional[str]:
     (:func:`unavailable_reason`): torch's products then."""
     if unavailable_reason() is not None:
         return None
-    if _ext.isa() != "mixed":
-        return _ext.isa()
-    firsts, table = isa_classes(), isa_by_rows()
-    spans = []  # [name, first, last or None], runs of classes with the same set joined
-    for i, first in enumerate(firsts):
-        last = firsts[i + 1] - 1 if i + 1 < len(firsts) else None
-        if spans and spans[-1][0] == table[first]:
-            spans[-1][2] = last
-        else:
-            spans.append([table[first], first, last])
-    rows = lambda a, b: f"{a}+" if b is None else (f"{a}" if a == b else f"{a}-{b}")
-    return ", ".join(f"{name} ({rows(a, b)} row{'' if a == b else 's'})" for name, a, b in spans)
+    return _by_classes(isa_by_rows())
 
 
 def applies_to(weight: Tensor) -> bool:
@@ -264,5 +427,5 @@ def applies_to(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and unavailable_reason() is None
 
 
-# last: the measurement packs weights through .rowgemm, which imports the names above
-_select_isa()
+# last: every name the check uses is defined above
+_select()

@@ -47,7 +47,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _ext, applies_to, unavailable_reason
+from . import _ext, applies_to, ensure_chosen, unavailable_reason
 
 #: rows one sweep of a weight computes: a call of up to this many rows reads
 #: each weight once; a larger call sweeps blocks with groups of 6 rows, the
@@ -102,6 +102,7 @@ class PackedLinear:
         if (precision == "bfloat16" and not bfloat16_available()) or (precision == "int8" and not int8_available()):
             raise RuntimeError(f"the C++ extension fairseq_specdec.kernels._native has no {precision} panels (an older "
                                "build); reinstall the plugin")
+        ensure_chosen()  # the first packed weight: the products' instruction set and prefetch are settled first
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.precision = precision

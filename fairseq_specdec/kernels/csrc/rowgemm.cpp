@@ -51,7 +51,7 @@
 // On a CPU with AVX-512F the blocks can be AVX-512 ones instead
 // (rowgemm_avx512.cpp: 16-lane vectors over pairs of panels, blocks of up to
 // 8 rows x 48 columns), bitwise the same products; the instruction set is
-// set once, at import, for each class of row counts (FAIRSEQ_SPECDEC_ISA,
+// set once per process, for each class of row counts (FAIRSEQ_SPECDEC_ISA,
 // or measured on a CPU with AVX-512F: fairseq_specdec/kernels/__init__.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -113,7 +113,7 @@ bool cpu_has_avx512() {
 
 // The instruction set of the products' register blocks, one for each class
 // of row counts (kIsaClassFirstRows: calls of 1 row, 2-4, 5-8, 9 or more,
-// the classes whose register blocks differ): set once, at import
+// the classes whose register blocks differ): set once per process
 // (select_isa for all classes; set_isa_for_rows for one, where the plugin
 // measured the AVX-512 blocks against the AVX2 ones on this CPU:
 // fairseq_specdec/kernels/__init__.py), read by every product.
@@ -131,6 +131,15 @@ inline int isa_class(int64_t m) {
   while (c + 1 < kIsaClasses && m >= kIsaClassFirstRows[c + 1]) ++c;
   return c;
 }
+
+// Whether the float32 and bfloat16 products of each class of row counts
+// (the classes of g_isa) prefetch the next block of panels into L2 while a
+// block computes (see the prefetch note above): on by default; set per
+// class where the plugin measured the products without it faster on this
+// CPU (fairseq_specdec/kernels/__init__.py).  The int8 products always
+// prefetch.  A prefetch changes no arithmetic: either setting gives bitwise
+// the same products.
+bool g_prefetch[kIsaClasses] = {true, true, true, true};
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -357,6 +366,21 @@ std::string isa_for_rows(int64_t m) {
   return isa_name(g_isa[isa_class(m)]);
 }
 
+// whether the float32 and bfloat16 products of a call of m rows prefetch
+bool prefetch_for_rows(int64_t m) {
+  TORCH_CHECK(m >= 1, "prefetch_for_rows: a call has at least 1 row, got ", m);
+  return g_prefetch[isa_class(m)];
+}
+
+// whether the float32 and bfloat16 calls of the class whose first row count
+// is ``first_rows`` (one of isa_classes()) prefetch
+void set_prefetch_for_rows(int64_t first_rows, bool on) {
+  int c = 0;
+  while (c < kIsaClasses && kIsaClassFirstRows[c] != first_rows) ++c;
+  TORCH_CHECK(c < kIsaClasses, "set_prefetch_for_rows: ", first_rows, " rows does not start a class (1, 2, 5 or 9)");
+  g_prefetch[c] = on;
+}
+
 // the first row count of each class (1, 2, 5, 9)
 std::vector<int64_t> isa_classes() {
   return std::vector<int64_t>(kIsaClassFirstRows, kIsaClassFirstRows + kIsaClasses);
@@ -459,13 +483,14 @@ namespace {
 // The sweep every product makes over its packed weight: the blocks of
 // ``lay.block_panels`` panels (in parallel over blocks where torch has
 // threads), each with every group of ``lay.group_rows`` of the m rows in turn,
-// the next block of a thread's range prefetched during the first group.
+// the next block of a thread's range prefetched during the first group
+// where ``prefetch``.
 // block(g, rows, nv, wb, bb, yg, ncols, pf): group g's ``rows`` rows against
 // the ``nv`` panels at wb (bias bb or null), written to yg (at most ncols
 // columns), pf the block to prefetch or null.
 template <typename WT, typename Block>
 void sweep_blocks(int64_t m, int64_t P, int64_t N, Layout lay, const WT* w, int64_t panel_stride, const float* b,
-                  float* yd, int64_t ldy, const Block& block) {
+                  float* yd, int64_t ldy, bool prefetch, const Block& block) {
   const int64_t group_rows = lay.group_rows, block_panels = lay.block_panels;
   const int64_t groups = (m + group_rows - 1) / group_rows;
   const int64_t nblocks = (P + block_panels - 1) / block_panels;
@@ -476,7 +501,7 @@ void sweep_blocks(int64_t m, int64_t P, int64_t N, Layout lay, const WT* w, int6
       const int64_t col = p * kLanes;
       const WT* wb = w + p * panel_stride;
       const float* bb = b != nullptr ? b + col : nullptr;
-      const WT* next = blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
+      const WT* next = prefetch && blk + 1 < b1 && nv == block_panels ? wb + block_panels * panel_stride : nullptr;
       for (int64_t g = 0; g < groups; ++g)
         block(g, static_cast<int>(std::min<int64_t>(group_rows, m - g * group_rows)), nv, wb, bb,
               yd + g * group_rows * ldy + col, N - col, g == 0 ? next : nullptr);
@@ -517,7 +542,7 @@ void linear_raw(const float* xs, int64_t m, int64_t K, const WT* w, int64_t P, c
   }
   const float* xd = xt.data();
   const int64_t panel_stride = K * kLanes;
-  sweep_blocks(m, P, N, lay, w, panel_stride, b, yd, ldy,
+  sweep_blocks(m, P, N, lay, w, panel_stride, b, yd, ldy, g_prefetch[isa_class(m)],
                [&](int64_t g, int rows, int64_t nv, const WT* wb, const float* bb, float* yg, int64_t ncols,
                    const WT* pf) {
     const float* xg = xd + g * K * group_rows;
@@ -598,7 +623,7 @@ void linear_raw_i8(const float* xs, int64_t m, int64_t K, const int8_t* w, int64
                                                (static_cast<uint32_t>(static_cast<uint16_t>(q[2 * j + 1])) << 16));
   }
   const int64_t panel_stride = (K + kScaleRows) * kLanes;
-  sweep_blocks(m, P, N, lay, w, panel_stride, b, yd, ldy,
+  sweep_blocks(m, P, N, lay, w, panel_stride, b, yd, ldy, /*prefetch=*/true,
                [&](int64_t g, int rows, int64_t nv, const int8_t* wb, const float* bb, float* yg, int64_t ncols,
                    const int8_t* pf) {
     const int32_t* xg = xp.data() + g * kpairs * group_rows;
@@ -1684,6 +1709,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_classes", &isa_classes, "the first row count of each class of calls with an instruction set of its own");
   m.def("set_isa_for_rows", &set_isa_for_rows,
         "choose the instruction set of the class of calls starting at first_rows (avx2, avx512, avx512-emulated); returns it");
+  m.def("prefetch_for_rows", &prefetch_for_rows,
+        "whether the float32 and bfloat16 products of m rows prefetch the next block of panels");
+  m.def("set_prefetch_for_rows", &set_prefetch_for_rows,
+        "whether the float32 and bfloat16 products of the class starting at first_rows prefetch (bitwise the same products)");
   m.def("select_isa", &select_isa,
         "choose the products' instruction set for every call ('' or auto: avx2; avx2, avx512, avx512-emulated); returns it");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
