@@ -22,9 +22,11 @@
 #          scripts/interleave.py, 1 thread, batch 1, the first HOST_LIMIT
 #          (300) test sentences, HOST_ROUNDS (1) rounds taken batch by batch:
 #          loop-greedy, ngram (drafting from the distillation), self-draft,
-#          where the CPU has AVX-512F loop-greedy forced to AVX2 and to
-#          AVX-512 products (FAIRSEQ_SPECDEC_ISA=avx2, =avx512, each a process
-#          of its own) beside the default's measured choice, and CTranslate2
+#          loop-greedy with the products' prefetch on for every class
+#          (FAIRSEQ_SPECDEC_PREFETCH=on, a process of its own) beside the
+#          default's measured choice, where the CPU has AVX-512F loop-greedy
+#          forced to AVX2 and to AVX-512 products (FAIRSEQ_SPECDEC_ISA=avx2,
+#          =avx512, each a process of its own), and CTranslate2
 #          float32 and int8 where the kit has ctranslate2 (gpu-kit.sh --ct2);
 #          every row's output compared with loop-greedy's. It first builds the
 #          plugin's C++ extension in place (the kit carries none), then waits
@@ -117,8 +119,9 @@ host_rows() {
   local dry=0; [ "${1:-}" = --dry-run ] && dry=1
   local rows=(--row "loop-greedy=--decoding loop-greedy" --row "ngram=--decoding ngram"
               --row "self-draft=--decoding self-draft")
+  # the default row runs the prefetch (and instruction sets) measured at its first products; forced beside it
+  rows+=(--process-row "loop-greedy-prefetch-on=--decoding loop-greedy FAIRSEQ_SPECDEC_PREFETCH=on")
   if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
-    # the default row runs the instruction sets measured at import; each forced for every class beside it
     rows+=(--process-row "loop-greedy-avx2=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx2"
            --process-row "loop-greedy-avx512=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512")
   fi

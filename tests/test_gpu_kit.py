@@ -482,9 +482,10 @@ def test_kit_refuses_bad_models(tmp_path, prepared, args, env, message):
 
 def test_host_phase_times_the_cpu_rows_beside_ctranslate2(tmp_path):
     """Phase host: the extension built in place, then interleave.py on the
-    distillation's test split, 1 thread, batch 1, the CPU rows (rows forced
-    to AVX2 and to AVX-512 beside the measured default exactly where this
-    CPU has AVX-512F), pinned to HOST_CPUS."""
+    distillation's test split, 1 thread, batch 1, the CPU rows (a row with
+    the prefetch on everywhere beside the measured default, and rows forced
+    to AVX2 and to AVX-512 exactly where this CPU has AVX-512F), pinned to
+    HOST_CPUS."""
     out = dry_run(tmp_path, "--phase", "host", HOST_CPUS="3-4", HOST_LIMIT="40")
     assert "setup.py build_ext --inplace" in out and "wait for" in out
     assert "fairseq-train" not in out and "benchmark.py" not in out
@@ -501,8 +502,9 @@ def test_host_phase_times_the_cpu_rows_beside_ctranslate2(tmp_path):
     assert rows == ["loop-greedy=--decoding loop-greedy", "ngram=--decoding ngram", "self-draft=--decoding self-draft"]
     process_rows = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--process-row"]
     has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
-    assert process_rows == (["loop-greedy-avx2=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx2",
-                             "loop-greedy-avx512=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512"] if has_avx512 else [])
+    assert process_rows == ["loop-greedy-prefetch-on=--decoding loop-greedy FAIRSEQ_SPECDEC_PREFETCH=on"] + (
+        ["loop-greedy-avx2=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx2",
+         "loop-greedy-avx512=--decoding loop-greedy FAIRSEQ_SPECDEC_ISA=avx512"] if has_avx512 else [])
     # phase all ends with it; KIT_TRAIN_STAGES replaces the training stages
     assert "# phase host" in dry_run(tmp_path)
     assert set(trainings(dry_run(tmp_path, KIT_TRAIN_STAGES="verifier distill vsd"))) == {"verifier", "vsd"}
