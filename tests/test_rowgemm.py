@@ -345,6 +345,25 @@ def test_the_prefetch_is_measured_at_first_use_unless_asked_and_refused_by_name(
 
 
 @needs_kernel
+def test_a_verify_pass_on_torchs_products_measures_nothing():
+    """The choices wait for the native products: a lean verify pass on
+    torch's products (a GPU's, or --specdec-backend reference's path) leaves
+    them unmeasured; the first one on the native products measures them."""
+    code = textwrap.dedent("""
+        from fairseq_specdec import kernels
+        from fairseq_specdec.bench.roofline import random_verifier
+        from fairseq_specdec.generation.lean_verifier import LeanVerifier
+        model = random_verifier(dict(layers=1, dim=16, ffn=32, heads=2, vocab=40))
+        LeanVerifier(model, gemm="torch").start()
+        print("TORCH", sorted(kernels.PREFETCH_MEASURED))
+        LeanVerifier(model, gemm="rowgemm").start()
+        print("NATIVE", sorted(kernels.PREFETCH_MEASURED))
+    """)
+    proc = H.run([sys.executable, "-c", code], check=False, env={kernels.PREFETCH_ENV: None}, timeout=300)
+    assert "TORCH []\nNATIVE [1, 2, 5]" in proc.stdout, proc.stderr[-3000:]
+
+
+@needs_kernel
 def test_leading_dimensions_and_empty_inputs():
     weight = torch.randn(30, 16)
     lin = rowgemm.PackedLinear(weight)
