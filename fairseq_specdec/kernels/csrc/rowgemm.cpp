@@ -10,8 +10,10 @@
 // panels (24 columns) is swept over K with 4 rows x 3 vectors of accumulators
 // held in AVX2 registers (calls of more rows use blocks of fewer panels:
 // layout_for); further row groups reuse the block from cache.
-// While a block computes, the next one is prefetched into the L2 cache, so
-// that streaming the weight from memory and computing on it overlap.
+// While a block computes, the next one can be prefetched into the L2 cache,
+// so that streaming the weight from memory and computing on it overlap;
+// whether it is depends on the class of row counts (g_prefetch: measured per
+// CPU, since on some the prefetch slows the products of few rows).
 //
 // Arithmetic contract: every output element is
 //     y[i][n] = (sum over k = 0..K-1, in order, of x[i][k] * W[n][k]) + b[n]
