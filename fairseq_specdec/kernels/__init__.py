@@ -43,7 +43,7 @@ docs/benchmarking.md); decoding never needs it.
 """
 import math
 import os
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -204,14 +204,20 @@ def prefetch_by_rows() -> Dict[int, bool]:
     return {first: bool(_ext.prefetch_for_rows(first)) for first in isa_classes()}
 
 
-def set_prefetch_by_rows(table: Dict[int, bool]) -> None:
-    """Set whether each class in ``table`` ({first row count: bool})
-    prefetches; a class that does not exist is refused before any changes."""
+def _check_classes(table: Dict[int, object]) -> None:
+    """Refuse a table of settings by class ({first row count: setting})
+    where the kernels cannot run or a class does not exist."""
     if unavailable_reason() is not None:
         raise RuntimeError(unavailable_reason())
     unknown = sorted(set(table) - set(isa_classes()))
     if unknown:
         raise ValueError(f"no class of products starts at {unknown} rows; the classes start at {isa_classes()}")
+
+
+def set_prefetch_by_rows(table: Dict[int, bool]) -> None:
+    """Set whether each class in ``table`` ({first row count: bool})
+    prefetches; a class that does not exist is refused before any changes."""
+    _check_classes(table)
     for first, on in table.items():
         _ext.set_prefetch_for_rows(first, bool(on))
 
@@ -247,11 +253,7 @@ def set_isa_by_rows(table: Dict[int, str]) -> None:
     """Set the instruction set of each class in ``table`` ({first row
     count: name}, as :func:`isa_by_rows` gives); a name this CPU cannot run
     is refused before any class changes."""
-    if unavailable_reason() is not None:
-        raise RuntimeError(unavailable_reason())
-    unknown = sorted(set(table) - set(isa_classes()))
-    if unknown:
-        raise ValueError(f"no class of products starts at {unknown} rows; the classes start at {isa_classes()}")
+    _check_classes(table)
     names = sorted(set(table.values()) - set(ISAS))
     if names:
         raise ValueError(f"no instruction set {', '.join(names)} for a class; the choices are {', '.join(ISAS)}")
@@ -280,43 +282,56 @@ def pick_isa_by_rows(times: Dict[int, Dict[str, List[float]]], margin: float = I
     return table
 
 
+def _paired_rounds(weights, inputs: Dict[int, Tensor], settings: Dict[str, Callable[[int], None]],
+                   rounds: int) -> Dict[int, Dict[str, List[float]]]:
+    """{first rows: {setting: [ms of each round]}}: for each class in
+    ``inputs`` ({first rows: its probe's input}), a pass of its input
+    through ``weights`` under each of ``settings`` ({name: apply it for the
+    class of that first row count}) back to back, their order alternating
+    from round to round, after a round that only warms (the code paged in,
+    the weights touched).  On one thread, torch's count restored after: what
+    the benchmarks time, and no thread pool is started by it, so a process
+    may fork after packing its first weights."""
+    import time
+
+    names = list(settings)
+    times = {first: {name: [] for name in names} for first in inputs}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for r in range(rounds + 1):
+            for first, x in inputs.items():
+                for name in (names if r % 2 == 0 else list(reversed(names))):
+                    settings[name](first)
+                    t0 = time.perf_counter()
+                    for linear in weights:
+                        linear(x)
+                    if r > 0:
+                        times[first][name].append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
 def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[str, List[float]]]:
     """{first rows of each class: {isa: [ms of each round]}}: a pass of
     :func:`isa_probe_rows` rows through 8 float32 weights of 1024 x 512
     (16 MiB in all, as much as the demo verifier's decoder: read from beyond
     the core's own caches at each pass, as a decoding reads its weights),
     each class's pass on every candidate back to back in each round, their
-    order alternating from round to round.  On one thread (torch's count
-    restored after): what the benchmarks time, and no thread pool is
-    started by it, so a process may fork after packing its first weights.
-    Leaves every class on the first candidate."""
-    import time
-
+    order alternating from round to round, on one thread
+    (:func:`_paired_rounds`).  Leaves every class on the first candidate."""
     from . import rowgemm
 
     gen = torch.Generator().manual_seed(0)
     weights = [rowgemm.PackedLinear(torch.randn(1024, 512, generator=gen), torch.randn(1024, generator=gen))
                for _ in range(8)]
-    probe_rows = isa_probe_rows()
-    inputs = {first: torch.randn(rows, 512, generator=gen) for first, rows in probe_rows.items()}
-    times = {first: {name: [] for name in candidates} for first in isa_classes()}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    inputs = {first: torch.randn(rows, 512, generator=gen) for first, rows in isa_probe_rows().items()}
     try:
-        for r in range(rounds + 1):  # round 0 only warms (the code paged in, the weights touched)
-            for first, by_isa in times.items():
-                x = inputs[first]
-                for name in (candidates if r % 2 == 0 else list(reversed(candidates))):
-                    _ext.select_isa(name)
-                    t0 = time.perf_counter()
-                    for linear in weights:
-                        linear(x)
-                    if r > 0:
-                        by_isa[name].append((time.perf_counter() - t0) * 1000.0)
+        return _paired_rounds(weights, inputs, {name: lambda first, name=name: _ext.select_isa(name)
+                                                for name in candidates}, rounds)
     finally:
         _ext.select_isa(candidates[0])
-        torch.set_num_threads(threads)
-    return times
 
 
 def pick_prefetch_by_rows(times: Dict[int, Dict[str, Dict[str, List[float]]]],
@@ -343,37 +358,26 @@ def measure_prefetch(rounds: int = 7) -> Dict[int, Dict[str, Dict[str, List[floa
     :func:`isa_probe_rows` rows through each of :data:`PREFETCH_PROBES`'
     weight sets, with and without the prefetch back to back in each round,
     their order alternating, on the classes' instruction sets as they are,
-    on one thread (as :func:`measure_isas`).  Leaves every class
+    on one thread (:func:`_paired_rounds`).  Leaves every class
     prefetching."""
-    import time
-
     from . import rowgemm
 
-    firsts = [first for first in isa_classes() if first <= PREFETCH_MOST_ROWS]
     probe_rows = isa_probe_rows()
-    times = {first: {name: {"on": [], "off": []} for name in PREFETCH_PROBES} for first in firsts}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    firsts = [first for first in isa_classes() if first <= PREFETCH_MOST_ROWS]
+    settings = {"on": lambda first: _ext.set_prefetch_for_rows(first, True),
+                "off": lambda first: _ext.set_prefetch_for_rows(first, False)}
+    times = {first: {} for first in firsts}
     try:
         for name, (count, n, k) in PREFETCH_PROBES.items():
             # the values do not matter to the time, only the bytes read: no random numbers to draw
             weights = [rowgemm.PackedLinear(torch.full((n, k), 0.01 * (i + 1)), None) for i in range(count)]
             inputs = {first: torch.full((probe_rows[first], k), 0.5) for first in firsts}
-            for r in range(rounds + 1):  # round 0 only warms
-                for first in firsts:
-                    x = inputs[first]
-                    for on in ((True, False) if r % 2 == 0 else (False, True)):
-                        _ext.set_prefetch_for_rows(first, on)
-                        t0 = time.perf_counter()
-                        for linear in weights:
-                            linear(x)
-                        if r > 0:
-                            times[first][name]["on" if on else "off"].append((time.perf_counter() - t0) * 1000.0)
+            for first, by_setting in _paired_rounds(weights, inputs, settings, rounds).items():
+                times[first][name] = by_setting
             del weights
     finally:
         for first in firsts:
             _ext.set_prefetch_for_rows(first, True)
-        torch.set_num_threads(threads)
     return times
 
 

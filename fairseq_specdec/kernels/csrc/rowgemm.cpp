@@ -374,13 +374,21 @@ bool prefetch_for_rows(int64_t m) {
   return g_prefetch[isa_class(m)];
 }
 
+namespace {
+// the class whose first row count is ``first_rows`` (one of isa_classes()),
+// refused otherwise in the name of ``caller``
+int class_starting_at(int64_t first_rows, const char* caller) {
+  int c = 0;
+  while (c < kIsaClasses && kIsaClassFirstRows[c] != first_rows) ++c;
+  TORCH_CHECK(c < kIsaClasses, caller, ": ", first_rows, " rows does not start a class (1, 2, 5 or 9)");
+  return c;
+}
+}  // namespace
+
 // whether the float32 and bfloat16 calls of the class whose first row count
 // is ``first_rows`` (one of isa_classes()) prefetch
 void set_prefetch_for_rows(int64_t first_rows, bool on) {
-  int c = 0;
-  while (c < kIsaClasses && kIsaClassFirstRows[c] != first_rows) ++c;
-  TORCH_CHECK(c < kIsaClasses, "set_prefetch_for_rows: ", first_rows, " rows does not start a class (1, 2, 5 or 9)");
-  g_prefetch[c] = on;
+  g_prefetch[class_starting_at(first_rows, "set_prefetch_for_rows")] = on;
 }
 
 // the first row count of each class (1, 2, 5, 9)
@@ -405,9 +413,7 @@ Isa parse_isa(const std::string& name) {
 // The instruction set of the calls of the class whose first row count is
 // ``first_rows`` (one of isa_classes()); returns the one set.
 std::string set_isa_for_rows(int64_t first_rows, const std::string& name) {
-  int c = 0;
-  while (c < kIsaClasses && kIsaClassFirstRows[c] != first_rows) ++c;
-  TORCH_CHECK(c < kIsaClasses, "set_isa_for_rows: ", first_rows, " rows does not start a class (1, 2, 5 or 9)");
+  const int c = class_starting_at(first_rows, "set_isa_for_rows");
   const Isa isa = parse_isa(name);
   g_isa[c] = isa;
   return isa_name(isa);
