@@ -111,6 +111,49 @@ def test_measured_rows_try_the_slower_mode_again_after_doubling_waits():
     assert modes[-10:] == [True] * 10
 
 
+def test_measured_rows_charge_deferred_work_to_the_mode_that_deferred_it():
+    """Greedy iterations that time 1.0 s a token but each leave 0.5 s of work
+    (a sentence's deferred scores) for later cost 1.5 s a token: drafting at
+    1.2 s a token wins once the work is charged to them, and loses where it
+    is not."""
+    def run(charged):
+        rule = MeasuredRows(least=3, first_wait=1000)
+        modes = []
+        for _ in range(12):
+            drafted = rule.drafts_at(1, 1)
+            modes.append(drafted)
+            rule.observe(1, 1, drafted, 1, 1.2 if drafted else 1.0)
+            if charged and not drafted:
+                rule.charge(1, 1, False, 0.5)
+        return modes
+
+    assert run(charged=True) == [False] * 3 + [True] * 9
+    assert run(charged=False) == [False] * 3 + [True] * 3 + [False] * 6
+
+
+def test_measured_rows_charge_amends_the_newest_iteration_of_its_group():
+    """A charge moves a mode's average as the same seconds in its newest
+    iteration would have; a mode or a group not yet timed is charged
+    nothing."""
+    rule = MeasuredRows(least=1)
+    rule.charge(1, 1, False, 5.0)  # nothing timed yet
+    assert rule.buckets == {}
+    rule.observe(2, 8, False, 4, 1.0)
+    rule.charge(2, 8, True, 5.0)  # drafting not timed in the group
+    rule.charge(3, 8, False, 5.0)  # another group
+    bucket = rule.buckets[MeasuredRows.group(2)]
+    assert bucket.seconds[False] == 1.0 and True not in bucket.seconds
+    rule.charge(2, 8, False, 0.5)  # the only iteration timed: as if it took 1.5 s
+    assert bucket.seconds[False] == 1.5
+    rule.observe(2, 8, False, 4, 2.0)
+    rule.charge(2, 8, False, 0.5)  # as if that one took 2.5 s
+    same = MeasuredRows(least=1)
+    same.observe(2, 8, False, 4, 1.5)
+    same.observe(2, 8, False, 4, 2.5)
+    assert math.isclose(bucket.seconds[False], same.buckets[MeasuredRows.group(2)].seconds[False])
+    assert bucket.tokens[False] == 4.0
+
+
 def test_measured_rows_ignore_iterations_that_commit_nothing():
     rule = MeasuredRows(least=1)
     rule.observe(2, 8, True, 0, 1.0)

@@ -19,6 +19,7 @@ candidates, the scores deferred.
 * the backend builds it for strict verification with the native step only.
 """
 import math
+import time
 from copy import deepcopy
 
 import pytest
@@ -29,6 +30,7 @@ from specdec_helpers import assert_identical, run_generator
 import fairseq_specdec  # noqa: F401
 from fairseq_specdec.generation import NoDrafter, StrictAcceptance, TopBetaAcceptance, resolve_backend
 from fairseq_specdec.generation.drafters import Drafter
+from fairseq_specdec.generation.draft_policy import RowsRule
 from fairseq_specdec.kernels import rowgemm
 
 pytestmark = pytest.mark.skipif(not rowgemm.screen_available(), reason="the extension has no screened pick here")
@@ -288,3 +290,54 @@ def test_the_backend_screens_strict_native_steps_only(toy):
     assert not resolve_backend("reference", model, StrictAcceptance()).screen
     assert not resolve_backend("auto", model, TopBetaAcceptance(3, 1.0)).screen
     assert H.make_generator(model, NoDrafter(), d, 4, unk_penalty=-3.0).screened is None
+
+
+class _AlternateRows(RowsRule):
+    """Greedy and drafting iterations in turn (greedy first, per batch size
+    as the loop asks), recording what the loop reports: its
+    :meth:`observe` and :meth:`charge` calls."""
+
+    def __init__(self):
+        self.drafting = True
+        self.observed, self.charged = [], []
+
+    def drafts_at(self, rows, batch):
+        self.drafting = not self.drafting
+        return self.drafting
+
+    def observe(self, rows, batch, drafted, tokens, seconds):
+        self.observed.append((rows, drafted, seconds))
+
+    def charge(self, rows, batch, drafted, seconds):
+        self.charged.append((rows, drafted, seconds))
+
+
+def test_the_loop_charges_settled_scores_to_the_greedy_iterations_not_to_the_one_they_ran_in(tied):
+    """Scores deferred by screened steps and settled later, at a sentence's
+    end or before a drafting iteration's pass (the tied model refuses picks
+    in mid-sentence, so greedy runs stop early), are reported to the draft
+    policy as greedy work (``charge``) and left out of the timing of the
+    iteration they ran in: with each settle slowed by a sleep, no iteration
+    is timed that long, and the charges add up to every sleep."""
+    model, task = tied
+    sleep = 0.05
+    gen = H.make_generator(model, H.reference_drafter({}, filler=task.target_dictionary.nspecial), 
+                           task.target_dictionary, 3)
+    assert gen.screened is not None
+    rule = gen.policy.rows = _AlternateRows()
+    settles = {"drafting": 0, "greedy": 0}
+    real = type(gen.screened)._settle
+
+    def slow(screened, state, deferred):
+        settles["drafting" if rule.drafting else "greedy"] += 1
+        time.sleep(sleep)
+        return real(screened, state, deferred)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(gen.screened), "_settle", slow)
+        run_generator(gen, model, H.batches(task, "test", 1)[:12])
+    assert settles["drafting"] > 0 and settles["greedy"] > 0, settles  # both places were exercised
+    assert all(not drafted for _, drafted, _ in rule.charged)
+    assert sum(s for _, _, s in rule.charged) >= sleep * sum(settles.values())
+    slowest = max(s for _, _, s in rule.observed)
+    assert slowest < sleep, f"an iteration was timed with a settle in it: {slowest:.3f} s"

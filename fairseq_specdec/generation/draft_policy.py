@@ -27,6 +27,15 @@ class RowsRule:
         """An iteration of ``rows`` rows, drafting or not, committed
         ``tokens`` tokens (all rows together) in ``seconds``."""
 
+    def charge(self, rows: int, batch: int, drafted: bool, seconds: float) -> None:
+        """Work of ``seconds`` that iterations of ``rows`` rows in the mode
+        ``drafted`` caused but did not time themselves: the deferred scores
+        of screened greedy steps (``ScreenedGreedy.settle``), computed after
+        the iterations that deferred them, at a row's end or before the next
+        step that reads the scores.  The loop reports it after it ran, and
+        leaves it out of the iteration it ran in (see
+        ``SpeculativeGenerator``)."""
+
     def describe(self) -> Optional[str]:
         """A phrase for the policy's description (None: says nothing)."""
         return None
@@ -112,7 +121,9 @@ class MeasuredRows(RowsRule):
     row of a larger batch share the group of one row.  For each group the
     rule keeps, for drafting and for not drafting, moving averages of an
     iteration's seconds and of the tokens it committed, whose ratio is the
-    mode's cost per token (the loop's own timings, :meth:`observe`):
+    mode's cost per token (the loop's own timings, :meth:`observe`, with
+    the work an iteration deferred charged to it when it runs,
+    :meth:`charge`):
 
     * a group is first measured without drafting (a batch starts with all
       its rows, so the large groups are measured first), then drafting is
@@ -189,6 +200,22 @@ class MeasuredRows(RowsRule):
             if b.trial_left <= 0:
                 b.trial = None
 
+    def charge(self, rows: int, batch: int, drafted: bool, seconds: float) -> None:
+        """Add ``seconds`` to the newest timed iteration of the mode in the
+        group of ``rows``, as if that iteration had taken them too (its
+        moving average moves by what the iteration's own seconds would have
+        moved it): without it a greedy iteration at batch 1, which defers
+        its scores to the end of the sentence, looked about a sixth cheaper
+        than it was, and drafting that paid was measured not to.  Where
+        several iterations deferred the work, it is charged to the newest of
+        them; a mode not yet timed in the group is charged nothing."""
+        if seconds <= 0:
+            return
+        b = self.buckets.get(self.group(rows))
+        if b is None or b.count[drafted] == 0:
+            return
+        b.seconds[drafted] += (1.0 if b.count[drafted] == 1 else self.ALPHA) * seconds
+
     def describe(self) -> str:
         return "drafts only where measured to commit tokens faster than not drafting, at every batch size"
 
@@ -231,6 +258,10 @@ class DraftLengthPolicy:
     def observe(self, rows: int, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         """The loop's timing of an iteration (see :meth:`RowsRule.observe`)."""
         self.rows.observe(rows, batch, drafted, tokens, seconds)
+
+    def charge(self, rows: int, batch: int, drafted: bool, seconds: float) -> None:
+        """Deferred work of a mode's iterations (see :meth:`RowsRule.charge`)."""
+        self.rows.charge(rows, batch, drafted, seconds)
 
     @property
     def needs_scores(self) -> bool:

@@ -56,6 +56,7 @@ of one token. The tokens, scores and caches are those of the steps one at
 a time.  The native part ``runs`` off (``FAIRSEQ_SPECDEC_OFF=runs``):
 every iteration one step.
 """
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -108,6 +109,15 @@ class ScreenedGreedy:
         self._taken = (0, 0)
         #: the counts of a run of screened steps, by its steps and the rows' EOS picks, per device (read only)
         self._counts = {}
+        #: seconds :meth:`settle` spent since the last :meth:`take_settle_seconds`
+        self._settle_seconds = 0.0
+
+    def take_settle_seconds(self) -> float:
+        """Seconds spent settling deferred scores since the last call: work
+        of the screened (greedy) iterations that deferred them, wherever it
+        ran (the loop charges it to them: ``RowsRule.charge``)."""
+        seconds, self._settle_seconds = self._settle_seconds, 0.0
+        return seconds
 
     def take_counts(self) -> Tuple[int, int]:
         """``(screened, uncertified)`` since the last call (the statistics line's)."""
@@ -169,13 +179,21 @@ class ScreenedGreedy:
         """Compute the rows' deferred scores: their kept states' log-probs in
         one projection, each pick's written at its column of
         ``state.pos_scores``, and added to its row's ``state.cum`` in
-        float32 one token at a time, in order."""
+        float32 one token at a time, in order.  Its seconds are kept for
+        :meth:`take_settle_seconds`: the draft policy counts them as the
+        greedy iterations' cost."""
         deferred = state.deferred
         if deferred is None:
             return
         state.deferred = None
         if not deferred.states:
             return
+        began = time.perf_counter()
+        self._settle(state, deferred)
+        self._settle_seconds += time.perf_counter() - began
+
+    def _settle(self, state, deferred: DeferredScores) -> None:
+        """:meth:`settle`'s work for a non-empty ``deferred``."""
         def joined(blocks):  # one block (a sentence's run) needs no copy
             return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
 

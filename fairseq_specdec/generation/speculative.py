@@ -216,7 +216,10 @@ class SpeculativeGenerator:
             self.drafter.update(state, Feedback(drafted_host, accepted_host, out.n_new, features))
             self.policy.update(state.draft_k, drafted_host, accepted_host)
             now = time.perf_counter()
-            self.policy.observe(rows, bsz, k > 0, sum(n_new_host), now - began)
+            # the deferred scores settled in this iteration are the earlier greedy iterations' work
+            settled = self.screened.take_settle_seconds() if self.screened is not None else 0.0
+            self.policy.observe(rows, bsz, k > 0, sum(n_new_host), now - began - settled)
+            self.policy.charge(rows, bsz, False, settled)
 
             # 5. retire finished rows
             keep = []
@@ -232,6 +235,8 @@ class SpeculativeGenerator:
                     self.stats.add(sample_id, state.lengths_host[i] - 1, accepted[row], now - start_time)
                 else:
                     keep.append(i)
+            if self.screened is not None:  # a finished row's scores, settled as it left
+                self.policy.charge(rows, bsz, False, self.screened.take_settle_seconds())
             if not keep:
                 break
             state.keep(keep)
