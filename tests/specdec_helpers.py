@@ -362,6 +362,19 @@ def batches(task, split, batch_size):
     return list(itr)
 
 
+def mixed_batches(task, split, batch_size):
+    """Every sample of ``split`` in batches of at most ``batch_size``
+    consecutive ids, sources of every length together (as a corpus in its
+    own order gives), where :func:`batches` groups sources of one length:
+    a batch whose rows finish at different steps even where the model has
+    learned the toy corpus's lengths, which follow from the source's."""
+    if split not in task.datasets:
+        task.load_dataset(split)
+    dataset = task.dataset(split)
+    return [dataset.collater([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            for start in range(0, len(dataset), batch_size)]
+
+
 # ---------------------------------------------------------------- in-process generation
 def run_generator(gen, model, samples):
     """{id: hypothesis} of ``gen`` on ``samples``."""

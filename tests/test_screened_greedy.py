@@ -182,12 +182,13 @@ class Runs:
         patch.setattr(rowgemm.DecoderPass, "screened_steps", recorded)
 
 
-def _decode(model, task, drafter=None, off=(), bsz=1, k=4, **opts):
-    """The generator, its output on the test split and its :class:`Runs`."""
+def _decode(model, task, drafter=None, off=(), bsz=1, k=4, mixed=False, **opts):
+    """The generator, its output on the test split (``mixed``: in
+    :func:`~specdec_helpers.mixed_batches`) and its :class:`Runs`."""
     gen = H.make_generator(model, drafter or NoDrafter(), task.target_dictionary, k, off=off, **opts)
     with pytest.MonkeyPatch.context() as patch:
         runs = Runs(patch)
-        out = run_generator(gen, model, H.batches(task, "test", bsz))
+        out = run_generator(gen, model, (H.mixed_batches if mixed else H.batches)(task, "test", bsz))
     return gen, out, runs
 
 
@@ -268,9 +269,10 @@ def test_temperature_and_batches_whose_rows_finish(toy):
     gen, got, _ = _decode(model, task, **opts)
     assert gen.screened.screened > 0
     assert_identical(plain, got, atol=0)
-    # batches of 8: their last (up to 4) unfinished rows are screened together, also while rows finish
-    _, plain8, _ = _decode(model, task, off=("screen",), bsz=8)
-    gen8, got8, runs8 = _decode(model, task, bsz=8)
+    # batches of 8 whose rows finish at different steps: their last (up to 4)
+    # unfinished rows are screened together, also while rows finish
+    _, plain8, _ = _decode(model, task, off=("screen",), bsz=8, mixed=True)
+    gen8, got8, runs8 = _decode(model, task, bsz=8, mixed=True)
     assert gen8.screened.screened > 0
     rows = [r for r, _, _, _ in runs8.calls]
     assert max(rows) == gen8.screened.max_rows == 4 and min(rows) == 1
