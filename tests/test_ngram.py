@@ -251,7 +251,7 @@ class SkewedRows(MeasuredRows):
     whatever the machine's speed."""
 
     def __init__(self, factor):
-        super().__init__(least=2, first_wait=4)
+        super().__init__(least=2, first_wait=4, tokens=0)
         self.factor = factor
 
     def observe(self, rows, batch, drafted, tokens, seconds):

@@ -59,9 +59,9 @@ def visit(rule, rows, cost_draft, cost_greedy, times, batch=32):
 def test_measured_rows_measure_a_batch_of_one_sentence_too():
     """A sentence decoded alone is measured like the last row of a batch (one
     group): greedy first, then a trial of drafting, then the faster mode."""
-    losing = MeasuredRows(least=3, first_wait=16)
+    losing = MeasuredRows(least=3, first_wait=16, tokens=0)
     assert visit(losing, 1, 2.0, 1.0, 12, batch=1) == [False] * 3 + [True] * 3 + [False] * 6
-    winning = MeasuredRows(least=3, first_wait=16)
+    winning = MeasuredRows(least=3, first_wait=16, tokens=0)
     assert visit(winning, 1, 0.5, 1.0, 12, batch=1) == [False] * 3 + [True] * 9
     # what batches of one sentence measured holds for the last row of a larger batch
     assert winning.drafts_at(1, 32) and not losing.drafts_at(1, 32)
@@ -71,7 +71,7 @@ def test_measured_rows_cost_is_seconds_over_tokens_not_the_mean_of_ratios():
     """Drafting iterations that commit 10 tokens in 4 s and 1 token in 2 s,
     in turn, cost 6 s per 11 tokens (0.55 s a token): faster than greedy's
     0.7 s, although the mean of their ratios (1.2 s a token) is slower."""
-    rule = MeasuredRows(least=4, first_wait=1000)
+    rule = MeasuredRows(least=4, first_wait=1000, tokens=0)
     for _ in range(4):
         assert not rule.drafts_at(1, 1)
         rule.observe(1, 1, False, 1, 0.7)
@@ -81,8 +81,32 @@ def test_measured_rows_cost_is_seconds_over_tokens_not_the_mean_of_ratios():
     assert rule.drafts_at(1, 1) and rule.drafts_at(1, 1)
 
 
+def test_measured_rows_measure_a_mode_over_tokens_not_over_a_few_sentences():
+    """At one row an iteration is about a sentence.  Drafting costs 0.8 s a
+    token and greedy 1.0 s, each iteration 2 s more: greedy timed on three
+    sentences of 20 tokens (1.1 s a token) and drafting on three of 4 (1.3 s)
+    would measure the lengths, and greedy would run from then on; timed over
+    ``tokens`` committed tokens each, drafting wins, as it does on any
+    sentence."""
+    lengths = [20, 20, 20, 4, 4, 4] + [20, 4] * 20
+
+    def run(tokens):
+        rule = MeasuredRows(least=3, first_wait=1000, tokens=tokens)
+        modes = []
+        for n in lengths:
+            drafted = rule.drafts_at(1, 1)
+            modes.append(drafted)
+            rule.observe(1, 1, drafted, n, 2.0 + (0.8 if drafted else 1.0) * n)
+        return modes
+
+    modes = run(MeasuredRows.TOKENS)
+    assert modes[:4] == [False] * 4  # greedy until 64 tokens: 20 + 20 + 20 + 4
+    assert modes[-20:] == [True] * 20
+    assert run(0)[-20:] == [False] * 20  # three iterations each: the lengths were measured
+
+
 def test_measured_rows_times_greedy_first_then_tries_drafting_where_smaller_batches_gained():
-    rule = MeasuredRows(least=3, first_wait=16)
+    rule = MeasuredRows(least=3, first_wait=16, tokens=0)
     # rows 3 are timed greedy, and not tried: rows 2 have not shown that drafting pays
     assert visit(rule, 3, 0.5, 1.0, 6) == [False] * 6
     # nor rows 2 before the last row of a batch has
@@ -98,7 +122,7 @@ def test_measured_rows_times_greedy_first_then_tries_drafting_where_smaller_batc
 
 
 def test_measured_rows_try_the_slower_mode_again_after_doubling_waits():
-    rule = MeasuredRows(least=2, first_wait=8)
+    rule = MeasuredRows(least=2, first_wait=8, tokens=0)
     modes = visit(rule, 1, 2.0, 1.0, 40)  # drafting always loses at the last row of a batch
     tried = [i for i, m in enumerate(modes) if m]
     assert tried[:2] == [2, 3]  # the first trial, after the greedy timings
@@ -117,7 +141,7 @@ def test_measured_rows_charge_deferred_work_to_the_mode_that_deferred_it():
     1.2 s a token wins once the work is charged to them, and loses where it
     is not."""
     def run(charged):
-        rule = MeasuredRows(least=3, first_wait=1000)
+        rule = MeasuredRows(least=3, first_wait=1000, tokens=0)
         modes = []
         for _ in range(12):
             drafted = rule.drafts_at(1, 1)
@@ -135,7 +159,7 @@ def test_measured_rows_charge_amends_the_newest_iteration_of_its_group():
     """A charge moves a mode's average as the same seconds in its newest
     iteration would have; a mode or a group not yet timed is charged
     nothing."""
-    rule = MeasuredRows(least=1)
+    rule = MeasuredRows(least=1, tokens=0)
     rule.charge(1, 1, False, 5.0)  # nothing timed yet
     assert rule.buckets == {}
     rule.observe(2, 8, False, 4, 1.0)
@@ -147,15 +171,15 @@ def test_measured_rows_charge_amends_the_newest_iteration_of_its_group():
     assert bucket.seconds[False] == 1.5
     rule.observe(2, 8, False, 4, 2.0)
     rule.charge(2, 8, False, 0.5)  # as if that one took 2.5 s
-    same = MeasuredRows(least=1)
+    same = MeasuredRows(least=1, tokens=0)
     same.observe(2, 8, False, 4, 1.5)
     same.observe(2, 8, False, 4, 2.5)
     assert math.isclose(bucket.seconds[False], same.buckets[MeasuredRows.group(2)].seconds[False])
-    assert bucket.tokens[False] == 4.0
+    assert bucket.tokens[False] == same.buckets[MeasuredRows.group(2)].tokens[False]
 
 
 def test_measured_rows_ignore_iterations_that_commit_nothing():
-    rule = MeasuredRows(least=1)
+    rule = MeasuredRows(least=1, tokens=0)
     rule.observe(2, 8, True, 0, 1.0)
     assert rule.buckets == {} or all(sum(b.count.values()) == 0 for b in rule.buckets.values())
 

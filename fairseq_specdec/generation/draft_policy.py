@@ -67,21 +67,22 @@ class FixedRows(RowsRule):
 
 class _Bucket:
     """What :class:`MeasuredRows` knows of one size of batch: per mode
-    (drafting or not) the iterations timed and the moving averages of an
-    iteration's seconds and of its committed tokens (their ratio is the
-    mode's cost per token: the ratio of the sums, not the mean of each
-    iteration's ratio, which would count a drafting iteration that committed
-    one token as heavily as one that committed ten); the trial in progress;
-    when to try the losing mode again."""
+    (drafting or not) the iterations and tokens timed since the mode's
+    measurement began, and decayed sums of their seconds and of their
+    committed tokens, whose ratio is the mode's cost per token (the ratio of
+    the sums, not the mean of each iteration's ratio, which would count a
+    drafting iteration that committed one token as heavily as one that
+    committed ten; and, being sums, no iteration weighs more for having come
+    first); the trial in progress; when to try the losing mode again."""
 
-    __slots__ = ("seconds", "tokens", "count", "trial", "trial_left", "visits", "retry_at", "wait")
+    __slots__ = ("seconds", "tokens", "count", "timed_tokens", "trial", "visits", "retry_at", "wait")
 
     def __init__(self, first_wait: int):
         self.seconds: Dict[bool, float] = {}
         self.tokens: Dict[bool, float] = {}
         self.count = {True: 0, False: 0}
+        self.timed_tokens = {True: 0, False: 0}
         self.trial: Optional[bool] = None  # the mode being measured now
-        self.trial_left = 0  # its iterations still to time
         self.visits = 0
         self.wait = first_wait
         self.retry_at = first_wait
@@ -90,18 +91,23 @@ class _Bucket:
         """Seconds per committed token of ``mode`` (measured at least once)."""
         return self.seconds[mode] / self.tokens[mode]
 
-    def start_trial(self, mode: bool, least: int) -> bool:
-        """Time ``mode`` for ``least`` iterations, its average started anew
-        (the old one may be stale)."""
-        self.trial, self.trial_left = mode, least
-        self.count[mode] = 0
+    def start_trial(self, mode: bool) -> bool:
+        """Measure ``mode`` anew (its old sums may be stale) until it is
+        :meth:`measured`."""
+        self.trial = mode
+        self.count[mode] = self.timed_tokens[mode] = 0
+        self.seconds.pop(mode, None)
+        self.tokens.pop(mode, None)
         return mode
 
-    def measured(self, mode: bool, least: int) -> bool:
-        return self.count[mode] >= least
+    def measured(self, mode: bool, least: int, tokens: int) -> bool:
+        """Whether ``mode`` has been timed over ``least`` iterations and
+        ``tokens`` committed tokens since its measurement began."""
+        return self.count[mode] >= least and self.timed_tokens[mode] >= tokens
 
-    def drafting_wins(self, least: int) -> bool:
-        return self.measured(True, least) and self.measured(False, least) and self.cost(True) < self.cost(False)
+    def drafting_wins(self, least: int, tokens: int) -> bool:
+        return (self.measured(True, least, tokens) and self.measured(False, least, tokens)
+                and self.cost(True) < self.cost(False))
 
 
 class MeasuredRows(RowsRule):
@@ -119,38 +125,49 @@ class MeasuredRows(RowsRule):
     Batches are grouped by their unfinished rows (exactly up to 8 rows,
     then in steps of about sqrt(2)); a sentence decoded alone and the last
     row of a larger batch share the group of one row.  For each group the
-    rule keeps, for drafting and for not drafting, moving averages of an
-    iteration's seconds and of the tokens it committed, whose ratio is the
+    rule keeps, for drafting and for not drafting, decayed sums of its
+    iterations' seconds and of the tokens they committed, whose ratio is the
     mode's cost per token (the loop's own timings, :meth:`observe`, with
     the work an iteration deferred charged to it when it runs,
-    :meth:`charge`):
+    :meth:`charge`).  Each iteration's decay is ``(1 - ALPHA)`` to the power
+    of its tokens over :attr:`DECAY_TOKENS` (at most 1): an iteration that
+    commits many tokens (a batch of many rows) moves the cost as much as
+    ``ALPHA`` says, while at one row, where an iteration is about a
+    sentence and sentences differ in length, the cost spans some 60 tokens:
 
     * a group is first measured without drafting (a batch starts with all
       its rows, so the large groups are measured first), then drafting is
-      tried there for ``least`` iterations (the trial), but only once
-      drafting has won at the next smaller group (one row: at once): a
-      large batch is not made to draft before smaller ones showed that it
-      pays;
+      tried there (the trial), but only once drafting has won at the next
+      smaller group (one row: at once): a large batch is not made to
+      draft before smaller ones showed that it pays.  A measurement lasts
+      ``least`` iterations and ``tokens`` committed tokens, so that at one
+      row it spans several sentences, not the few that ``least`` iterations
+      of drafting commit (a comparison of a few short sentences with a few
+      long ones measured their lengths, not the modes);
     * after that the faster mode runs; the slower one is tried again after
       ``first_wait`` visits of the group, then after twice as many, and so
-      on (at most ``1024``), its average started anew: a drifting machine
-      or a drafter that warms up is followed, at a bounded cost.
+      on (at most ``1024``), its sums started anew: a drifting machine or a
+      drafter that warms up is followed, at a bounded cost.
 
     The output never depends on it under strict verification; the
     statistics (Tok.) may differ from run to run.
     """
 
-    #: iterations of a mode in a group before its average counts
+    #: iterations of a mode in a group before its cost counts
     LEAST = 3
+    #: tokens a mode in a group commits before its cost counts
+    TOKENS = 64
     #: visits of a group before its slower mode is tried again (doubling)
     FIRST_WAIT = 16
     MOST_WAIT = 1024
-    #: weight of the newest iteration in a moving average
+    #: the decay of the sums per iteration that commits DECAY_TOKENS or more tokens
     ALPHA = 0.25
+    DECAY_TOKENS = 16
 
-    def __init__(self, least: int = LEAST, first_wait: int = FIRST_WAIT):
+    def __init__(self, least: int = LEAST, first_wait: int = FIRST_WAIT, tokens: int = TOKENS):
         self.least = least
         self.first_wait = first_wait
+        self.tokens = tokens
         self.buckets: Dict[int, _Bucket] = {}
 
     @staticmethod
@@ -171,50 +188,46 @@ class MeasuredRows(RowsRule):
         b.visits += 1
         if b.trial is not None:
             return b.trial
-        if not b.measured(False, self.least):
+        if not b.measured(False, self.least, self.tokens):
             return False
-        if not b.measured(True, self.least):
+        if not b.measured(True, self.least, self.tokens):
             smaller = group - 1
-            if smaller < 1 or (smaller in self.buckets and self.buckets[smaller].drafting_wins(self.least)):
-                return b.start_trial(True, self.least)
+            if smaller < 1 or (smaller in self.buckets and self.buckets[smaller].drafting_wins(self.least, self.tokens)):
+                return b.start_trial(True)
             return False
         winner = b.cost(True) < b.cost(False)
         if b.visits >= b.retry_at:
             b.wait = min(2 * b.wait, self.MOST_WAIT)
             b.retry_at = b.visits + b.wait
-            return b.start_trial(not winner, self.least)
+            return b.start_trial(not winner)
         return winner
 
     def observe(self, rows: int, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
         if tokens <= 0:
             return
         b = self._bucket(self.group(rows))
-        if b.count[drafted] == 0:
-            b.seconds[drafted], b.tokens[drafted] = seconds, float(tokens)
-        else:
-            b.seconds[drafted] += self.ALPHA * (seconds - b.seconds[drafted])
-            b.tokens[drafted] += self.ALPHA * (tokens - b.tokens[drafted])
+        keep = (1.0 - self.ALPHA) ** min(1.0, tokens / self.DECAY_TOKENS)
+        b.seconds[drafted] = keep * b.seconds.get(drafted, 0.0) + seconds
+        b.tokens[drafted] = keep * b.tokens.get(drafted, 0.0) + tokens
         b.count[drafted] += 1
-        if b.trial is not None and b.trial == drafted:  # a trial lasts ``least`` iterations of its mode
-            b.trial_left -= 1
-            if b.trial_left <= 0:
-                b.trial = None
+        b.timed_tokens[drafted] += tokens
+        if b.trial is not None and b.trial == drafted and b.measured(drafted, self.least, self.tokens):
+            b.trial = None
 
     def charge(self, rows: int, batch: int, drafted: bool, seconds: float) -> None:
         """Add ``seconds`` to the newest timed iteration of the mode in the
-        group of ``rows``, as if that iteration had taken them too (its
-        moving average moves by what the iteration's own seconds would have
-        moved it): without it a greedy iteration at batch 1, which defers
-        its scores to the end of the sentence, looked about a sixth cheaper
-        than it was, and drafting that paid was measured not to.  Where
-        several iterations deferred the work, it is charged to the newest of
-        them; a mode not yet timed in the group is charged nothing."""
+        group of ``rows``, as if that iteration had taken them too: without
+        it a greedy iteration at batch 1, which defers its scores to the end
+        of the sentence, looked about a sixth cheaper than it was, and
+        drafting that paid was measured not to.  Where several iterations
+        deferred the work, it is charged to the newest of them; a mode not
+        yet timed in the group is charged nothing."""
         if seconds <= 0:
             return
         b = self.buckets.get(self.group(rows))
         if b is None or b.count[drafted] == 0:
             return
-        b.seconds[drafted] += (1.0 if b.count[drafted] == 1 else self.ALPHA) * seconds
+        b.seconds[drafted] += seconds
 
     def describe(self) -> str:
         return "drafts only where measured to commit tokens faster than not drafting, at every batch size"
