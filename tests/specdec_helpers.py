@@ -347,11 +347,16 @@ def load_model(path, data):
     return models[0].eval(), task
 
 
-def batches(task, split, batch_size):
-    """Every sample of ``split`` in batches of at most ``batch_size`` sentences."""
+def _dataset(task, split):
+    """``split``'s dataset, loaded where the task has not loaded it yet."""
     if split not in task.datasets:
         task.load_dataset(split)
-    dataset = task.dataset(split)
+    return task.dataset(split)
+
+
+def batches(task, split, batch_size):
+    """Every sample of ``split`` in batches of at most ``batch_size`` sentences."""
+    dataset = _dataset(task, split)
     itr = task.get_batch_iterator(
         dataset=dataset,
         max_sentences=batch_size,
@@ -368,9 +373,7 @@ def mixed_batches(task, split, batch_size):
     own order gives), where :func:`batches` groups sources of one length:
     a batch whose rows finish at different steps even where the model has
     learned the toy corpus's lengths, which follow from the source's."""
-    if split not in task.datasets:
-        task.load_dataset(split)
-    dataset = task.dataset(split)
+    dataset = _dataset(task, split)
     return [dataset.collater([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
             for start in range(0, len(dataset), batch_size)]
 

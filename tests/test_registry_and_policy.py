@@ -156,7 +156,7 @@ def test_measured_rows_charge_deferred_work_to_the_mode_that_deferred_it():
 
 
 def test_measured_rows_charge_amends_the_newest_iteration_of_its_group():
-    """A charge moves a mode's average as the same seconds in its newest
+    """A charge moves a mode's sums as the same seconds in its newest
     iteration would have; a mode or a group not yet timed is charged
     nothing."""
     rule = MeasuredRows(least=1, tokens=0)

@@ -323,7 +323,7 @@ def test_the_loop_charges_settled_scores_to_the_greedy_iterations_not_to_the_one
     is timed that long, and the charges add up to every sleep."""
     model, task = tied
     sleep = 0.05
-    gen = H.make_generator(model, H.reference_drafter({}, filler=task.target_dictionary.nspecial), 
+    gen = H.make_generator(model, H.reference_drafter({}, filler=task.target_dictionary.nspecial),
                            task.target_dictionary, 3)
     assert gen.screened is not None
     rule = gen.policy.rows = _AlternateRows()
