@@ -275,7 +275,7 @@ def test_measured_rows_follow_the_loops_timings_and_keep_the_output(verifier, to
         gen = H.spec_gen(model, drafter, d, 3, dict(OPTION_SETS["default"], draft_policy=DraftLengthPolicy(3, rows=rule)))
         # the rule lives as long as its generator: what it measured carries over.  A group's trial
         # waits for the next smaller group's win, and a batch's tail visits its small groups only a
-        # few times a run (how few depends on the model, trained on this CPU): 8 runs
+        # few times a run (how few depends on the tiny model, trained anew on each CPU): 8 runs
         for _ in range(8):
             got = H.run_generator(gen, model, samples)
             assert_identical(reference, got)
