@@ -433,6 +433,17 @@ def test_roofline_command_reports_the_verify_pass_by_width():
     assert all(v > 0 for v in result["tree_ms"].values())
     assert result["tree_ms"] == result["by_gemm"][result["default_gemm"]]["tree_ms"]
     assert result["machine"]["peak_gflops"] > 0 and result["machine"]["read_gbs"] > 0
+    # the peak: the faster of torch's large product and register-only FMAs at
+    # the widest vectors the kernels have here (a library may not use them)
+    mach = result["machine"]
+    assert result["threads"] == 1  # the register probe's one core bounds a pass of one thread
+    assert mach["peak_gflops"] == max(mach["peak_library_gflops"], mach["peak_registers_gflops"] or 0.0)
+    if H.gemm_available("rowgemm"):
+        from fairseq_specdec import kernels
+        assert mach["peak_registers_isa"] == ("avx512" if kernels.has_avx512() else "avx2")
+        assert mach["peak_registers_gflops"] > 0
+    else:
+        assert mach["peak_registers_gflops"] is None
     # the machine named: the CPU, and the instruction set of the plugin's products
     assert result["isa"] == result["machine"]["plugin_isa"] and H.is_fresh_process_isa(result["isa"])
     assert result["machine"]["cpu"] and result["machine"]["torch"]["cpu_capability"]

@@ -376,6 +376,28 @@ def test_leading_dimensions_and_empty_inputs():
 
 
 @needs_kernel
+def test_the_register_fma_probe_runs_its_rounds():
+    """fma_rounds (the roofline's arithmetic peak) computes what it is asked
+    to: its 16 accumulators of each lane start at j / 1000 and each round
+    takes a -> 0.999 a + 0.001, so after n rounds they sum to lanes times
+    sum_j (1 - (1 - j / 1000) 0.999^n); an instruction set the CPU lacks or
+    that does not exist is refused by name."""
+    def expected(lanes, n):
+        return lanes * sum(1.0 - (1.0 - j / 1000.0) * 0.999 ** n for j in range(16))
+
+    names = ["avx2"] + (["avx512"] if kernels.has_avx512() else [])
+    for name in names:
+        lanes = 16 if name == "avx512" else 8
+        for n in (0, 1, 1000, 20000):
+            assert math.isclose(kernels._ext.fma_rounds(name, n), expected(lanes, n), rel_tol=1e-3), (name, n)
+    if not kernels.has_avx512():
+        with pytest.raises(RuntimeError, match="no AVX-512F"):
+            kernels._ext.fma_rounds("avx512", 1)
+    with pytest.raises(RuntimeError, match="no instruction set sse"):
+        kernels._ext.fma_rounds("sse", 1)
+
+
+@needs_kernel
 def test_refuses_what_it_cannot_compute():
     lin = rowgemm.PackedLinear(torch.randn(8, 4))
     with pytest.raises(RuntimeError, match="x has 5 features, the weight 4"):

@@ -5,7 +5,10 @@ where the difference goes.
 For a verifier (a checkpoint, or one of the :data:`SHAPES` with random
 weights), on ``--threads`` threads (default 1):
 
-* the machine: the float32 matrix-product peak (a 1024-cube product) and the
+* the machine: the float32 arithmetic peak (the faster of torch's 1024-cube
+  product and, on one thread where the plugin's kernels run, fused
+  multiply-adds on registers only at the widest vectors they have:
+  :func:`fma_probe`) and the
   read bandwidth over a buffer the size of the decoder's weights (so a
   verifier whose weights fit in the caches is judged by the caches' speed),
   both timed in the same rounds as the passes, so that the ideal and the
@@ -42,7 +45,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .machine import describe, header
 
@@ -118,6 +121,28 @@ def peak_probe() -> Callable[[], object]:
 
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     return lambda: torch.mm(a, b)
+
+
+#: rounds of the register-only probe (:func:`fma_probe`): 16 fused
+#: multiply-adds each, a few milliseconds on one core
+FMA_ROUNDS = 2_000_000
+
+
+def fma_probe() -> Optional[Tuple[str, Callable[[], object], int]]:
+    """(instruction set, call, its floating-point operations): fused
+    multiply-adds on registers only, no memory read, on the widest vectors
+    the plugin's kernels have here (AVX-512 where the CPU has it, else
+    AVX2); None where the kernels cannot run.  What the arithmetic units
+    reach, which a library's 1024-cube product (:func:`peak_probe`) may not:
+    on a CPU where the library takes its AVX2 path, the AVX-512 products of
+    a pass of 8 rows ran faster than that product."""
+    from .. import kernels
+
+    if kernels.unavailable_reason() is not None:
+        return None
+    name = "avx512" if kernels.has_avx512() else "avx2"
+    lanes = 16 if name == "avx512" else 8
+    return name, (lambda: kernels._ext.fma_rounds(name, FMA_ROUNDS)), FMA_ROUNDS * 16 * lanes * 2
 
 
 def read_probe(nbytes: int) -> Callable[[], object]:
@@ -270,6 +295,9 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
     # passes (their fastest over all rounds), so that a machine whose speed
     # or cache share drifts judges the products by what it did meanwhile
     probes = {("peak",): peak_probe(), ("read",): read_probe(sizes["bytes"])}
+    fma = fma_probe()
+    if fma is not None:
+        probes[("fma",)] = fma[1]
     fastest = {name: float("inf") for name in probes}
     with torch.no_grad():
         for gemm in gemms:
@@ -300,9 +328,15 @@ def roofline(model, max_m: int = 8, prefix: int = 12, src_len: int = 14, gemms: 
             # a draft of k tokens verifies k + 1: it must add this many tokens per iteration
             rows["break_even_tok"] = {str(k): round(rows["verify_ms"][str(k + 1)] / one, 3) for k in range(1, max_m)}
             result["by_gemm"][gemm] = rows
-    peak = PEAK_FLOP / (fastest[("peak",)] * 1e-3) / 1e9
+    library = PEAK_FLOP / (fastest[("peak",)] * 1e-3) / 1e9
+    registers = fma[2] / (fastest[("fma",)] * 1e-3) / 1e9 if fma is not None else None
+    # the register probe runs on one core: it bounds a pass on one thread only
+    peak = max(library, registers or 0.0) if result["threads"] == 1 else library
     bandwidth = sizes["bytes"] / (fastest[("read",)] * 1e-3) / 1e9
-    result["machine"].update(peak_gflops=round(peak, 1), read_gbs=round(bandwidth, 1))
+    result["machine"].update(peak_gflops=round(peak, 1), read_gbs=round(bandwidth, 1),
+                             peak_library_gflops=round(library, 1),
+                             peak_registers_gflops=None if registers is None else round(registers, 1),
+                             peak_registers_isa=None if fma is None else fma[0])
     ideal = {}
     for m in ms_range:
         read = sizes["bytes"] / (bandwidth * 1e9)
@@ -348,6 +382,16 @@ def int8_draft_step(model, gemm: str, prefix: int, src_len: int, seconds: float 
             "draft_int8_by_products": {name: round(timed[name], 4) for name in benches}}
 
 
+def _peak_sources(mach: Dict) -> str:
+    """The peak's two measurements in words (a machine dict of an older
+    run, without them, as "1024-cube product")."""
+    library = mach.get("peak_library_gflops", mach["peak_gflops"])
+    text = f"1024-cube product {library}"
+    if mach.get("peak_registers_gflops") is not None:
+        text += f", {mach['peak_registers_isa']} register FMAs {mach['peak_registers_gflops']}"
+    return text
+
+
 def format_report(name: str, result: Dict) -> str:
     mach = result["machine"]
     lines = [
@@ -355,7 +399,7 @@ def format_report(name: str, result: Dict) -> str:
         "",
         f"Machine: {header(mach)}",
         "",
-        f"machine: {mach['peak_gflops']} GFLOP/s float32 product peak; {mach['read_gbs']} GB/s reading "
+        f"machine: {mach['peak_gflops']} GFLOP/s float32 peak ({_peak_sources(mach)}); {mach['read_gbs']} GB/s reading "
         f"{result['weights']['mbytes']} MB (the weights a pass reads: {result['weights']['params']:,} parameters); "
         f"{mach['op_overhead_us']} us per tensor operation",
         f"default products (--specdec-backend auto): {result['default_gemm']}",

@@ -429,6 +429,70 @@ std::string select_isa(const std::string& name) {
   return isa_name(isa);
 }
 
+// The arithmetic peak of one core: ``iters`` rounds of fused multiply-adds
+// on registers only, no memory read, with 16 independent accumulators (more
+// than two FMA units of latency 4 need to stay busy) of 8 lanes (avx2) or 16
+// (avx512); a round is 16 * lanes * 2 floating-point operations.  Returns the
+// accumulators' sum, so that the loop is not optimized away (each converges
+// to 1: no overflow and no subnormal slows it).  For the roofline's peak
+// (fairseq_specdec/bench/roofline.py), which a library's large product may
+// not reach on every CPU.
+#ifdef ROWGEMM_X86
+__attribute__((target("avx2,fma"))) double fma_rounds_avx2(int64_t iters, float a, float b) {
+  __m256 acc[16];
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  for (int j = 0; j < 16; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j) * 1e-3f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm256_fmadd_ps(acc[j], va, vb);
+  }
+  float lanes[8];
+  double sum = 0.0;
+  for (int j = 0; j < 16; ++j) {
+    _mm256_storeu_ps(lanes, acc[j]);
+    for (float v : lanes) sum += v;
+  }
+  return sum;
+}
+
+__attribute__((target("avx512f"))) double fma_rounds_avx512(int64_t iters, float a, float b) {
+  __m512 acc[16];
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j) * 1e-3f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(acc[j], va, vb);
+  }
+  float lanes[16];
+  double sum = 0.0;
+  for (int j = 0; j < 16; ++j) {
+    _mm512_storeu_ps(lanes, acc[j]);
+    for (float v : lanes) sum += v;
+  }
+  return sum;
+}
+#endif
+
+double fma_rounds(const std::string& name, int64_t iters) {
+  TORCH_CHECK(iters >= 0, "fma_rounds: iters must be >= 0, got ", iters);
+#ifdef ROWGEMM_X86
+  // a and b come from the caller's side of the call, so the compiler cannot fold the loop
+  volatile float a = 0.999f, b = 0.001f;
+  if (name == "avx2") {
+    TORCH_CHECK(cpu_supported(), "fma_rounds: this CPU has no AVX2/FMA instructions");
+    return fma_rounds_avx2(iters, a, b);
+  }
+  if (name == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "fma_rounds: this CPU has no AVX-512F instructions");
+    return fma_rounds_avx512(iters, a, b);
+  }
+  TORCH_CHECK(false, "fma_rounds: no instruction set ", name, " (avx2, avx512)");
+#else
+  TORCH_CHECK(false, "fma_rounds: not built for this CPU (x86-64 only)");
+#endif
+  return 0.0;
+}
+
 // weight: N x K (an nn.Linear's weight) -> [ceil(N/8)][K][8], zero padded
 torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.device().is_cpu(),
@@ -1723,6 +1787,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the float32 and bfloat16 products of the class starting at first_rows prefetch (bitwise the same products)");
   m.def("select_isa", &select_isa,
         "choose the products' instruction set for every call ('' or auto: avx2; avx2, avx512, avx512-emulated); returns it");
+  m.def("fma_rounds", &fma_rounds,
+        "iters rounds of 16 register-only fused multiply-adds of 8 (avx2) or 16 (avx512) lanes: the arithmetic peak");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
   m.def("pack_bf16", &pack_bf16, "pack an N x K weight into [ceil(N/8)][K][8] bfloat16 panels (rounded to nearest even)");
   m.def("pack_i8", &pack_i8, "pack an N x K weight into [ceil(N/8)][K + 4][8] int8 panels, each with its 8 row scales");
