@@ -117,14 +117,15 @@ def test_the_products_isa_is_measured_unless_asked_and_refused_by_name():
     """Unset, FAIRSEQ_SPECDEC_ISA leaves the AVX2 blocks on a CPU without
     AVX-512F, and on one with it gives each class of row counts the blocks
     measured faster there (AVX2 or AVX-512, named in the machine's
-    description); a name picks the blocks for every class, checked at
+    description; AVX-512 unless AVX2 is faster by the margin); a name picks the blocks for every class, checked at
     import; an unknown name, or avx512 on a CPU without AVX-512F, is refused
     naming the variable."""
     has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
     assert kernels.has_avx512() == has_avx512
     code = ("from fairseq_specdec import kernels; from fairseq_specdec.bench import machine; "
             "print('ISA', kernels.isa()); print('TABLE', sorted(set(kernels.isa_by_rows().values()))); "
-            "print('MEASURED', sorted(kernels.ISA_MEASURED), 'plugin_isa_measured' in machine.describe())")
+            "print('MEASURED', sorted(kernels.ISA_MEASURED), 'plugin_isa_measured' in machine.describe()); "
+            "print('ORDER', [list(by) for by in kernels.ISA_MEASURED.values()])")
 
     def isa_of(value):
         env = {kernels.ISA_ENV: value}  # None: unset
@@ -134,6 +135,8 @@ def test_the_products_isa_is_measured_unless_asked_and_refused_by_name():
     if has_avx512:
         assert "MEASURED [1, 2, 5, 9] True" in unset.stdout, unset.stderr[-2000:]
         assert any(f"TABLE {t}" in unset.stdout for t in (["avx2"], ["avx512"], ["avx2", "avx512"])), unset.stdout
+        # AVX-512 is the first candidate, the one a tie (within ISA_MARGIN) keeps
+        assert f"ORDER {[['avx512', 'avx2']] * 4}" in unset.stdout, unset.stdout
     else:
         assert "ISA avx2\nTABLE ['avx2']\nMEASURED [] False" in unset.stdout, unset.stderr[-2000:]
     for name in ("avx2", "avx512-emulated"):
@@ -193,7 +196,7 @@ def test_each_class_of_row_counts_runs_its_own_isa_bitwise_alike():
 
 
 def test_the_measured_choice_keeps_avx2_unless_another_is_faster_by_the_margin():
-    """pick_isa_by_rows: per class, the first candidate (AVX2) unless the
+    """pick_isa_by_rows: per class, the first candidate (here AVX2) unless the
     median over the rounds of another's time over the first's (paired round
     by round) is at most 1 - ISA_MARGIN, then the lowest such; one slow
     round (the machine's, hitting one timing) does not decide."""

@@ -20,9 +20,10 @@ class of row counts a product can have (:func:`isa_classes`: 1 row, 2-4,
 
 * :data:`ISA_ENV` (``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS` for
   every class (docs/benchmarking.md); unset (``auto``) on a CPU with
-  AVX-512F, each class takes the blocks that measured faster on this CPU
-  (:func:`choose_isa_by_rows`: a pass of the class's rows timed on both,
-  about a fifth of a second), AVX2 elsewhere;
+  AVX-512F, each class keeps the AVX-512 blocks unless the AVX2 ones
+  measured faster by :data:`ISA_MARGIN` on this CPU
+  (:func:`choose_isa_by_rows` on :data:`ISA_CANDIDATES`: a pass of the
+  class's rows timed on both, about a fifth of a second), AVX2 elsewhere;
 * :data:`PREFETCH_ENV` (``FAIRSEQ_SPECDEC_PREFETCH``) is ``on`` or ``off``
   for every class; unset (``auto``), each class of up to 8 rows drops the
   prefetch only where its products measured faster without it on this CPU,
@@ -103,7 +104,11 @@ ISAS = ("auto", "avx2", "avx512", "avx512-emulated")
 #: when the instruction sets are measured; every other class is timed at its
 #: largest row count (:func:`isa_probe_rows`)
 ISA_PROBE_OPEN_ROWS = 32
-#: a measured choice keeps the first candidate (AVX2) unless another is at
+#: the instruction sets a measured choice compares on a CPU with AVX-512F,
+#: the first the one a tie keeps: AVX-512, whose one-row products ran faster
+#: in a decoding than the probe's tie for one row shows (docs/benchmarking.md)
+ISA_CANDIDATES = ("avx512", "avx2")
+#: a measured choice keeps the first candidate (:data:`ISA_CANDIDATES`) unless another is at
 #: least this much faster (the median of its time over the first's, paired
 #: round by round), so that a tie does not flip from one process to the next
 ISA_MARGIN = 0.03
@@ -169,7 +174,7 @@ def ensure_chosen() -> None:
     if not pending:
         return
     if pending["isa"]:
-        ISA_MEASURED.update(choose_isa_by_rows(("avx2", "avx512")))
+        ISA_MEASURED.update(choose_isa_by_rows(ISA_CANDIDATES))
     if pending["prefetch"]:
         PREFETCH_MEASURED.update(choose_prefetch_by_rows())
 
