@@ -110,8 +110,13 @@ ISA_PROBE_OPEN_ROWS = 32
 ISA_CANDIDATES = ("avx512", "avx2")
 #: a measured choice keeps the first candidate (:data:`ISA_CANDIDATES`) unless another is at
 #: least this much faster (the median of its time over the first's, paired
-#: round by round), so that a tie does not flip from one process to the next
-ISA_MARGIN = 0.03
+#: round by round), so that a tie does not flip from one process to the
+#: next: the probe of one row scatters by about 5% from process to process
+#: (docs/benchmarking.md), so a 3% margin still flipped it
+ISA_MARGIN = 0.10
+#: a class drops the prefetch only where its products measured at least this
+#: much faster without it (:func:`pick_prefetch_by_rows`)
+PREFETCH_MARGIN = 0.03
 #: the measurement behind the instruction set's choice: {first rows: {isa:
 #: [ms of each round]}} (empty where nothing was measured)
 ISA_MEASURED: Dict[int, Dict[str, List[float]]] = {}
@@ -340,7 +345,7 @@ def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[s
 
 
 def pick_prefetch_by_rows(times: Dict[int, Dict[str, Dict[str, List[float]]]],
-                          margin: float = ISA_MARGIN) -> Dict[int, bool]:
+                          margin: float = PREFETCH_MARGIN) -> Dict[int, bool]:
     """{first rows: prefetch} from measured times ({first rows: {probe:
     {"on": [ms], "off": [ms]}}}, the rounds paired): a class drops the
     prefetch only where the geometric mean over the probes of the median
