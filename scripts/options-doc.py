@@ -81,7 +81,7 @@ ENVIRONMENT = """\
 |---|---|
 | `SPECDEC_TRUSTED_CHECKPOINTS` | paths (`:`-separated) of checkpoint files you trust to load with torch's full unpickler; only needed for checkpoints that contain objects outside the plugin's allowlist of fairseq's classes |
 | `FAIRSEQ_SPECDEC_NO_EXT=1` | at install: do not build the native C++ kernels (`--specdec-backend auto` then uses torch's products) |
-| `FAIRSEQ_SPECDEC_ISA` | read at import: the instruction set of the native products, `auto` (unset: on a CPU with AVX-512F, AVX2 or AVX-512 for each class of row counts, whichever a pass measured faster at their first use; AVX2 elsewhere), `avx2`, `avx512` (refused on a CPU without AVX-512F) or `avx512-emulated` (for tests); all give the same output ([benchmarking.md](benchmarking.md#the-products-instruction-set-fairseq_specdec_isa)) |
+| `FAIRSEQ_SPECDEC_ISA` | read at import: the instruction set of the native products, `auto` (unset: the AVX-512 blocks on a CPU with AVX-512F, AVX2 elsewhere; until commit 0a35eca a CPU with AVX-512F timed both for each class of row counts in each process), `avx2`, `avx512` (refused on a CPU without AVX-512F) or `avx512-emulated` (for tests); all give the same output ([benchmarking.md](benchmarking.md#the-products-instruction-set-fairseq_specdec_isa)) |
 | `FAIRSEQ_SPECDEC_PREFETCH` | read at import: whether the native float32 products prefetch the next block of weights, `auto` (unset: for each class of up to 8 rows, whichever a pass measured faster at their first use), `on` or `off`; all give the same output ([benchmarking.md](benchmarking.md#the-products-prefetch-fairseq_specdec_prefetch)) |
 """
 

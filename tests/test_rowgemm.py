@@ -114,34 +114,28 @@ def test_avx512_blocks_give_the_avx2_products_bitwise(isa):
 
 @needs_kernel
 def test_the_products_isa_is_measured_unless_asked_and_refused_by_name():
-    """Unset, FAIRSEQ_SPECDEC_ISA leaves the AVX2 blocks on a CPU without
-    AVX-512F, and on one with it gives each class of row counts the blocks
-    measured faster there (AVX2 or AVX-512, named in the machine's
-    description; AVX-512 unless AVX2 is faster by the margin); a name picks the blocks for every class, checked at
+    """Unset, FAIRSEQ_SPECDEC_ISA gives every class of row counts the AVX2
+    blocks on a CPU without AVX-512F and the AVX-512 ones on a CPU with it,
+    timing nothing (the machine's description names them); a name picks the blocks for every class, checked at
     import; an unknown name, or avx512 on a CPU without AVX-512F, is refused
     naming the variable."""
     has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
     assert kernels.has_avx512() == has_avx512
     code = ("from fairseq_specdec import kernels; from fairseq_specdec.bench import machine; "
             "print('ISA', kernels.isa()); print('TABLE', sorted(set(kernels.isa_by_rows().values()))); "
-            "print('MEASURED', sorted(kernels.ISA_MEASURED), 'plugin_isa_measured' in machine.describe()); "
-            "print('ORDER', [list(by) for by in kernels.ISA_MEASURED.values()])")
+            "print('DESCRIBED', machine.describe()['plugin_isa'])")
 
     def isa_of(value):
         env = {kernels.ISA_ENV: value}  # None: unset
         return H.run([sys.executable, "-c", code], check=False, env=env, timeout=300)
 
-    unset = isa_of(None)
-    if has_avx512:
-        assert "MEASURED [1, 2, 5, 9] True" in unset.stdout, unset.stderr[-2000:]
-        assert any(f"TABLE {t}" in unset.stdout for t in (["avx2"], ["avx512"], ["avx2", "avx512"])), unset.stdout
-        # AVX-512 is the first candidate, the one a tie (within ISA_MARGIN) keeps
-        assert f"ORDER {[['avx512', 'avx2']] * 4}" in unset.stdout, unset.stdout
-    else:
-        assert "ISA avx2\nTABLE ['avx2']\nMEASURED [] False" in unset.stdout, unset.stderr[-2000:]
+    wide = "avx512" if has_avx512 else "avx2"
+    for unset in (isa_of(None), isa_of("auto")):
+        assert f"ISA {wide}\nTABLE ['{wide}']\nDESCRIBED {wide}" in unset.stdout, unset.stderr[-2000:]
+    assert not hasattr(kernels, "measure_isas") and not hasattr(kernels, "ISA_MEASURED")  # nothing is timed
     for name in ("avx2", "avx512-emulated"):
-        chosen = isa_of(name)  # named: every class, nothing measured
-        assert f"ISA {name}\nTABLE ['{name}']\nMEASURED [] False" in chosen.stdout, chosen.stderr[-2000:]
+        chosen = isa_of(name)  # named: every class
+        assert f"ISA {name}\nTABLE ['{name}']\nDESCRIBED {name}" in chosen.stdout, chosen.stderr[-2000:]
     bad = isa_of("avx1024")
     assert bad.returncode != 0
     assert "FAIRSEQ_SPECDEC_ISA=avx1024: not an instruction set" in bad.stderr and "avx512-emulated" in bad.stderr
@@ -193,50 +187,6 @@ def test_each_class_of_row_counts_runs_its_own_isa_bitwise_alike():
     finally:
         kernels.set_isa_by_rows(before)
     assert kernels.isa_by_rows() == before
-
-
-def test_the_measured_choice_keeps_avx2_unless_another_is_faster_by_the_margin():
-    """pick_isa_by_rows: per class, the first candidate (here AVX2) unless the
-    median over the rounds of another's time over the first's (paired round
-    by round) is at most 1 - ISA_MARGIN, then the lowest such; one slow
-    round (the machine's, hitting one timing) does not decide."""
-    times = {1: {"avx2": [1.0, 1.0, 1.0], "avx512": [0.92, 0.92, 0.92]},  # 8% faster: within the margin, AVX2 kept
-             2: {"avx2": [1.0, 1.0, 1.0], "avx512": [0.88, 0.88, 0.88]},  # 12% faster: taken
-             5: {"avx2": [1.0, 1.0, 1.0], "avx512": [1.5, 1.5, 1.5]},     # slower
-             9: {"avx2": [2.0, 2.0, 2.0], "avx512": [1.0, 1.0, 1.0]}}
-    assert kernels.ISA_MARGIN == 0.10 and kernels.PREFETCH_MARGIN == 0.03
-    assert kernels.pick_isa_by_rows(times) == {1: "avx2", 2: "avx512", 5: "avx2", 9: "avx512"}
-    assert kernels.pick_isa_by_rows(times, margin=0.0) == {1: "avx512", 2: "avx512", 5: "avx2", 9: "avx512"}
-    three = {1: {"avx2": [1.0], "a": [0.9], "b": [0.8]}}
-    assert kernels.pick_isa_by_rows(three) == {1: "b"}
-    # the machine slowed in rounds 2 and 3 for both: paired, AVX-512 is 0.8 of AVX2 in rounds 2 and 3, while the
-    # fastest rounds alone (1.0 against 1.2) would keep AVX2; one round where only AVX2 was hit decides nothing
-    drift = {1: {"avx2": [1.0, 2.0, 3.0], "avx512": [1.0 * 1.2, 1.6, 2.4]}}
-    assert kernels.pick_isa_by_rows(drift) == {1: "avx512"}
-    hit_once = {1: {"avx2": [1.0, 5.0, 1.0], "avx512": [1.0, 1.0, 1.0]}}
-    assert kernels.pick_isa_by_rows(hit_once) == {1: "avx2"}
-
-
-@needs_kernel
-def test_measuring_the_isas_times_every_class_on_each_and_leaves_the_default():
-    """measure_isas times a pass of each class's rows on each candidate
-    (here AVX2 and the emulated AVX-512 blocks, which every x86-64 CPU with
-    AVX2 runs) and leaves every class on the first candidate;
-    choose_isa_by_rows applies what pick_isa_by_rows makes of it."""
-    before, threads = kernels.isa_by_rows(), torch.get_num_threads()
-    try:
-        times = kernels.measure_isas(("avx2", "avx512-emulated"), rounds=1)
-        assert torch.get_num_threads() == threads  # measured on one thread, the count restored
-        assert sorted(times) == [1, 2, 5, 9]
-        assert kernels.isa_probe_rows() == {1: 1, 2: 4, 5: 8, 9: 32}  # each class at its largest rows, 32 for 9+
-        assert all(sorted(by) == ["avx2", "avx512-emulated"] and all(len(ms) == 1 and 0 < ms[0] < 1e4 for ms in by.values())
-                   for by in times.values()), times
-        assert set(kernels.isa_by_rows().values()) == {"avx2"}
-        measured = kernels.choose_isa_by_rows(("avx2", "avx512-emulated"))
-        # the emulated blocks' time is measured, not assumed: whichever the machine made faster is taken
-        assert kernels.isa_by_rows() == kernels.pick_isa_by_rows(measured)
-    finally:
-        kernels.set_isa_by_rows(before)
 
 
 @needs_kernel
@@ -310,6 +260,7 @@ def test_measuring_the_prefetch_times_the_classes_up_to_8_rows_and_leaves_it_on(
         times = kernels.measure_prefetch(rounds=1)
         assert torch.get_num_threads() == threads
         assert sorted(times) == [1, 2, 5]
+        assert kernels.isa_probe_rows() == {1: 1, 2: 4, 5: 8, 9: 32}  # each class at its largest rows, 32 for 9+
         assert all(sorted(by) == sorted(kernels.PREFETCH_PROBES) for by in times.values()), times
         assert all(sorted(t) == ["off", "on"] and all(len(ms) == 1 and 0 < ms[0] < 1e4 for ms in t.values())
                    for by in times.values() for t in by.values()), times
@@ -561,12 +512,12 @@ def test_compact_rows_moves_the_kept_rows_up_in_place():
 
 
 @needs_kernel
-def test_the_first_use_measures_the_isas_on_a_cpu_with_avx512():
+def test_a_cpu_with_avx512_runs_the_avx512_blocks_and_times_only_the_prefetch():
     """The path of a CPU with AVX-512F, run on any CPU: a fresh import of
-    the kernels package over an extension that says it has AVX-512F and runs
-    the emulated blocks where asked for AVX-512 measures nothing at import;
-    the first packed weight measures every class on both, applies the
-    choice, and isa() describes it."""
+    the kernels package over an extension that says it has AVX-512F (and
+    runs the emulated blocks where asked for AVX-512) sets the AVX-512
+    blocks for every class at import, timing nothing; the first packed
+    weight measures the prefetch only, on those blocks."""
     code = textwrap.dedent("""
         import sys
         from fairseq_specdec import kernels
@@ -581,17 +532,15 @@ def test_the_first_use_measures_the_isas_on_a_cpu_with_avx512():
                 del sys.modules[name]
         import fairseq_specdec.kernels as fresh
         assert fresh is not kernels and fresh._ext is ext
-        assert not fresh.ISA_MEASURED  # nothing at import
+        print("AT IMPORT", sorted(set(ext.isa_for_rows(f) for f in fresh.isa_classes())), sorted(fresh.PREFETCH_MEASURED))
         import torch
         from fairseq_specdec.kernels import rowgemm
         rowgemm.PackedLinear(torch.ones(8, 8))  # the first use
-        print("MEASURED", sorted(fresh.ISA_MEASURED), sorted(fresh.ISA_MEASURED[9]))
-        table = fresh.isa_by_rows()
-        assert table == {f: real(n) for f, n in fresh.pick_isa_by_rows(fresh.ISA_MEASURED).items()}, table
+        print("MEASURED", sorted(fresh.PREFETCH_MEASURED))
         print("ISA", fresh.isa())
     """)
-    proc = H.run([sys.executable, "-c", code], check=False, env={kernels.ISA_ENV: None, kernels.PREFETCH_ENV: "on"},
+    proc = H.run([sys.executable, "-c", code], check=False, env={kernels.ISA_ENV: None, kernels.PREFETCH_ENV: None},
                  timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "MEASURED [1, 2, 5, 9] ['avx2', 'avx512']" in proc.stdout, proc.stdout
-    assert "ISA " in proc.stdout
+    assert "AT IMPORT ['avx512-emulated'] []" in proc.stdout, proc.stdout
+    assert "MEASURED [1, 2, 5]" in proc.stdout and "ISA avx512-emulated\n" in proc.stdout, proc.stdout

@@ -10,10 +10,6 @@ interleaved run and roofline (and so of every report made from them).
 * ``plugin_isa``: the instruction set of the plugin's native products
   (:func:`fairseq_specdec.kernels.isa`), or ``"torch"`` where they cannot
   run (torch's products then);
-* ``plugin_isa_measured`` (only where the plugin measured its instruction
-  sets, on a CPU with AVX-512F): the passes each class of row counts was
-  timed with on each, ``{first rows: {isa: [ms of each round]}}``
-  (:data:`fairseq_specdec.kernels.ISA_MEASURED`);
 * ``plugin_prefetch``: whether the native float32 products prefetch the
   next block of weights (:func:`fairseq_specdec.kernels.describe_prefetch`:
   ``on``, ``off``, or by class of row counts), absent where they cannot run;
@@ -107,9 +103,6 @@ def describe(ct2_model: Optional[str] = None) -> Dict:
     info = cpu_info()
     info["cores"] = os.cpu_count()
     info["plugin_isa"] = kernels.isa() or "torch"
-    if kernels.ISA_MEASURED:
-        info["plugin_isa_measured"] = {str(first): {name: [round(ms, 3) for ms in rounds] for name, rounds in by_isa.items()}
-                                       for first, by_isa in kernels.ISA_MEASURED.items()}
     prefetch = kernels.describe_prefetch()
     if prefetch is not None:
         info["plugin_prefetch"] = prefetch

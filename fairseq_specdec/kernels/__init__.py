@@ -19,11 +19,11 @@ class of row counts a product can have (:func:`isa_classes`: 1 row, 2-4,
 5-8, 9 or more):
 
 * :data:`ISA_ENV` (``FAIRSEQ_SPECDEC_ISA``) picks one of :data:`ISAS` for
-  every class (docs/benchmarking.md); unset (``auto``) on a CPU with
-  AVX-512F, each class keeps the AVX-512 blocks unless the AVX2 ones
-  measured faster by :data:`ISA_MARGIN` on this CPU
-  (:func:`choose_isa_by_rows` on :data:`ISA_CANDIDATES`: a pass of the
-  class's rows timed on both, about a fifth of a second), AVX2 elsewhere;
+  every class (docs/benchmarking.md); unset (``auto``), the AVX-512 blocks
+  on a CPU with AVX-512F, the AVX2 ones elsewhere: one check of the CPU,
+  nothing timed (until commit 0a35eca each class was timed on both in each
+  process, and a probe that did not predict a decoding's speed chose
+  differently from process to process: docs/benchmarking.md);
 * :data:`PREFETCH_ENV` (``FAIRSEQ_SPECDEC_PREFETCH``) is ``on`` or ``off``
   for every class; unset (``auto``), each class of up to 8 rows drops the
   prefetch only where its products measured faster without it on this CPU,
@@ -32,7 +32,7 @@ class of row counts a product can have (:func:`isa_classes`: 1 row, 2-4,
 
 The variables are checked at import; what they leave to measurement is
 measured at the first use of the products (the first packed weight, or a
-question to :func:`isa`, :func:`isa_by_rows`, :func:`prefetch_by_rows`:
+question to :func:`prefetch_by_rows`:
 :func:`ensure_chosen`), so that a process that never runs them (torch's
 products, a GPU) pays nothing.  :func:`isa` and :func:`prefetch_by_rows`
 say what runs.
@@ -44,7 +44,7 @@ docs/benchmarking.md); decoding never needs it.
 """
 import math
 import os
-from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional
 
 import torch
 from torch import Tensor
@@ -93,7 +93,8 @@ _SUPPORTED = _ext is not None and bool(_ext.supported())
 
 #: the environment variable that forces the products' instruction set
 ISA_ENV = "FAIRSEQ_SPECDEC_ISA"
-#: what it takes: ``auto`` (or unset: the default, AVX2), ``avx2``,
+#: what it takes: ``auto`` (or unset: the default, AVX-512 where the CPU
+#: has AVX-512F, else AVX2), ``avx2``,
 #: ``avx512`` (refused on a CPU without AVX-512F), and ``avx512-emulated``
 #: (the AVX-512 blocks computed with AVX2 instructions, slower: for testing
 #: them on a CPU without AVX-512)
@@ -101,25 +102,12 @@ ISAS = ("auto", "avx2", "avx512", "avx512-emulated")
 
 
 #: the rows of the pass timed for the last class of row counts (9 or more)
-#: when the instruction sets are measured; every other class is timed at its
+#: where a class's products are measured; every other class is timed at its
 #: largest row count (:func:`isa_probe_rows`)
 ISA_PROBE_OPEN_ROWS = 32
-#: the instruction sets a measured choice compares on a CPU with AVX-512F,
-#: the first the one a tie keeps: AVX-512, whose one-row products ran faster
-#: in a decoding than the probe's tie for one row shows (docs/benchmarking.md)
-ISA_CANDIDATES = ("avx512", "avx2")
-#: a measured choice keeps the first candidate (:data:`ISA_CANDIDATES`) unless another is at
-#: least this much faster (the median of its time over the first's, paired
-#: round by round), so that a tie does not flip from one process to the
-#: next: the probe of one row scatters by about 5% from process to process
-#: (docs/benchmarking.md), so a 3% margin still flipped it
-ISA_MARGIN = 0.10
 #: a class drops the prefetch only where its products measured at least this
 #: much faster without it (:func:`pick_prefetch_by_rows`)
 PREFETCH_MARGIN = 0.03
-#: the measurement behind the instruction set's choice: {first rows: {isa:
-#: [ms of each round]}} (empty where nothing was measured)
-ISA_MEASURED: Dict[int, Dict[str, List[float]]] = {}
 
 #: the environment variable that sets whether the float32 and bfloat16
 #: products prefetch the next block of weights
@@ -158,28 +146,26 @@ def _select() -> None:
         raise ValueError(f"{PREFETCH_ENV}={prefetch}: the choices are {', '.join(PREFETCHES)}")
     if not _SUPPORTED:
         return  # torch's products: there is nothing to choose
+    if wanted in ("", "auto"):
+        wanted = "avx512" if _ext.has_avx512() else "avx2"
     try:
         _ext.select_isa(wanted)
     except RuntimeError as error:
         raise ValueError(f"{ISA_ENV}={wanted}: {str(error).splitlines()[0]}") from None
     for first in isa_classes():
         _ext.set_prefetch_for_rows(first, prefetch != "off")
-    _PENDING = {"isa": wanted in ("", "auto") and bool(_ext.has_avx512()),
-                "prefetch": prefetch in ("", "auto")}
+    _PENDING = {"prefetch": prefetch in ("", "auto")}
 
 
 def ensure_chosen() -> None:
-    """Measure, once per process, what :data:`ISA_ENV` and
-    :data:`PREFETCH_ENV` left to measurement (:func:`choose_isa_by_rows`,
-    then :func:`choose_prefetch_by_rows` on the chosen sets); called at the
-    first packed weight and by the functions that report the choice.  Cheap
-    after the first call."""
+    """Measure, once per process, what :data:`PREFETCH_ENV` left to
+    measurement (:func:`choose_prefetch_by_rows`, on the instruction set
+    :data:`ISA_ENV` chose at import); called at the first packed weight and
+    by the functions that report the choice.  Cheap after the first call."""
     global _PENDING
     pending, _PENDING = _PENDING, None  # cleared first: the measurement packs weights itself
     if not pending:
         return
-    if pending["isa"]:
-        ISA_MEASURED.update(choose_isa_by_rows(ISA_CANDIDATES))
     if pending["prefetch"]:
         PREFETCH_MEASURED.update(choose_prefetch_by_rows())
 
@@ -273,25 +259,6 @@ def set_isa_by_rows(table: Dict[int, str]) -> None:
         _ext.set_isa_for_rows(first, name)
 
 
-def pick_isa_by_rows(times: Dict[int, Dict[str, List[float]]], margin: float = ISA_MARGIN) -> Dict[int, str]:
-    """{first rows: isa} from measured times ({first rows: {isa: [ms of
-    each round]}}, the first isa of each the default, the rounds paired:
-    timed back to back): another isa only where the median over the rounds
-    of its time over the default's is at most ``1 - margin``, the lowest
-    such.  A ratio of two neighbouring timings is what a machine whose
-    speed drifts from one round to the next still measures well."""
-    import statistics
-
-    table = {}
-    for first, by_isa in times.items():
-        names = list(by_isa)
-        default = by_isa[names[0]]
-        ratio = {name: statistics.median(t / d for t, d in zip(by_isa[name], default)) for name in names}
-        best = min(names, key=lambda name: ratio[name])
-        table[first] = best if ratio[best] <= 1.0 - margin else names[0]
-    return table
-
-
 def _paired_rounds(weights, inputs: Dict[int, Tensor], settings: Dict[str, Callable[[int], None]],
                    rounds: int) -> Dict[int, Dict[str, List[float]]]:
     """{first rows: {setting: [ms of each round]}}: for each class in
@@ -321,27 +288,6 @@ def _paired_rounds(weights, inputs: Dict[int, Tensor], settings: Dict[str, Calla
     finally:
         torch.set_num_threads(threads)
     return times
-
-
-def measure_isas(candidates: Sequence[str], rounds: int = 7) -> Dict[int, Dict[str, List[float]]]:
-    """{first rows of each class: {isa: [ms of each round]}}: a pass of
-    :func:`isa_probe_rows` rows through 8 float32 weights of 1024 x 512
-    (16 MiB in all, as much as the demo verifier's decoder: read from beyond
-    the core's own caches at each pass, as a decoding reads its weights),
-    each class's pass on every candidate back to back in each round, their
-    order alternating from round to round, on one thread
-    (:func:`_paired_rounds`).  Leaves every class on the first candidate."""
-    from . import rowgemm
-
-    gen = torch.Generator().manual_seed(0)
-    weights = [rowgemm.PackedLinear(torch.randn(1024, 512, generator=gen), torch.randn(1024, generator=gen))
-               for _ in range(8)]
-    inputs = {first: torch.randn(rows, 512, generator=gen) for first, rows in isa_probe_rows().items()}
-    try:
-        return _paired_rounds(weights, inputs, {name: lambda first, name=name: _ext.select_isa(name)
-                                                for name in candidates}, rounds)
-    finally:
-        _ext.select_isa(candidates[0])
 
 
 def pick_prefetch_by_rows(times: Dict[int, Dict[str, Dict[str, List[float]]]],
@@ -396,15 +342,6 @@ def choose_prefetch_by_rows() -> Dict[int, Dict[str, Dict[str, List[float]]]]:
     :func:`pick_prefetch_by_rows` makes of it, and return the measurement."""
     times = measure_prefetch()
     set_prefetch_by_rows(pick_prefetch_by_rows(times))
-    return times
-
-
-def choose_isa_by_rows(candidates: Sequence[str]) -> Dict[int, Dict[str, List[float]]]:
-    """Measure ``candidates`` (:func:`measure_isas`; the first is the
-    default), give each class of products the one that measured faster
-    (:func:`pick_isa_by_rows`) and return the measurement."""
-    times = measure_isas(candidates)
-    set_isa_by_rows(pick_isa_by_rows(times))
     return times
 
 
