@@ -438,39 +438,26 @@ std::string select_isa(const std::string& name) {
 // (fairseq_specdec/bench/roofline.py), which a library's large product may
 // not reach on every CPU.
 #ifdef ROWGEMM_X86
-__attribute__((target("avx2,fma"))) double fma_rounds_avx2(int64_t iters, float a, float b) {
-  __m256 acc[16];
-  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
-  for (int j = 0; j < 16; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j) * 1e-3f);
-  for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) acc[j] = _mm256_fmadd_ps(acc[j], va, vb);
+// one definition for both widths: VEC registers of LANES floats, under TARGET
+#define ROWGEMM_FMA_ROUNDS(NAME, TARGET, VEC, LANES, SET1, FMADD, STOREU)      \
+  __attribute__((target(TARGET))) double NAME(int64_t iters, float a, float b) { \
+    VEC acc[16];                                                                \
+    const VEC va = SET1(a), vb = SET1(b);                                       \
+    for (int j = 0; j < 16; ++j) acc[j] = SET1(static_cast<float>(j) * 1e-3f); \
+    for (int64_t i = 0; i < iters; ++i) {                                       \
+      _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) acc[j] = FMADD(acc[j], va, vb); \
+    }                                                                           \
+    float lanes[LANES];                                                         \
+    double sum = 0.0;                                                           \
+    for (int j = 0; j < 16; ++j) {                                              \
+      STOREU(lanes, acc[j]);                                                    \
+      for (float v : lanes) sum += v;                                           \
+    }                                                                           \
+    return sum;                                                                 \
   }
-  float lanes[8];
-  double sum = 0.0;
-  for (int j = 0; j < 16; ++j) {
-    _mm256_storeu_ps(lanes, acc[j]);
-    for (float v : lanes) sum += v;
-  }
-  return sum;
-}
-
-__attribute__((target("avx512f"))) double fma_rounds_avx512(int64_t iters, float a, float b) {
-  __m512 acc[16];
-  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j) * 1e-3f);
-  for (int64_t i = 0; i < iters; ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(acc[j], va, vb);
-  }
-  float lanes[16];
-  double sum = 0.0;
-  for (int j = 0; j < 16; ++j) {
-    _mm512_storeu_ps(lanes, acc[j]);
-    for (float v : lanes) sum += v;
-  }
-  return sum;
-}
+ROWGEMM_FMA_ROUNDS(fma_rounds_avx2, "avx2,fma", __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps)
+ROWGEMM_FMA_ROUNDS(fma_rounds_avx512, "avx512f", __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps)
+#undef ROWGEMM_FMA_ROUNDS
 #endif
 
 double fma_rounds(const std::string& name, int64_t iters) {
