@@ -146,10 +146,8 @@ def _select() -> None:
         raise ValueError(f"{PREFETCH_ENV}={prefetch}: the choices are {', '.join(PREFETCHES)}")
     if not _SUPPORTED:
         return  # torch's products: there is nothing to choose
-    if wanted in ("", "auto"):
-        wanted = "avx512" if _ext.has_avx512() else "avx2"
     try:
-        _ext.select_isa(wanted)
+        _ext.select_isa(_resolve_isa(wanted))
     except RuntimeError as error:
         raise ValueError(f"{ISA_ENV}={wanted}: {str(error).splitlines()[0]}") from None
     for first in isa_classes():
@@ -256,7 +254,16 @@ def set_isa_by_rows(table: Dict[int, str]) -> None:
     if "avx512" in table.values() and not _ext.has_avx512():
         raise ValueError("this CPU has no AVX-512F instructions")
     for first, name in table.items():
-        _ext.set_isa_for_rows(first, name)
+        _ext.set_isa_for_rows(first, _resolve_isa(name))
+
+
+def _resolve_isa(name: str) -> str:
+    """The instruction set ``name`` (one of :data:`ISAS`, or empty) runs:
+    ``auto`` (or empty) is AVX-512 on a CPU with AVX-512F, AVX2 elsewhere;
+    the one place that decides it (the extension takes only the others)."""
+    if name in ("", "auto"):
+        return "avx512" if _ext.has_avx512() else "avx2"
+    return name
 
 
 def _paired_rounds(weights, inputs: Dict[int, Tensor], settings: Dict[str, Callable[[int], None]],

@@ -116,9 +116,8 @@ bool cpu_has_avx512() {
 // The instruction set of the products' register blocks, one for each class
 // of row counts (kIsaClassFirstRows: calls of 1 row, 2-4, 5-8, 9 or more,
 // the classes whose register blocks differ): set once per process
-// (select_isa for all classes; set_isa_for_rows for one, where the plugin
-// measured the AVX-512 blocks against the AVX2 ones on this CPU:
-// fairseq_specdec/kernels/__init__.py), read by every product.
+// (select_isa for all classes, set_isa_for_rows for one; what "auto" means
+// is decided in fairseq_specdec/kernels/__init__.py), read by every product.
 // avx512_emulated computes the AVX-512 blocks with AVX2 instructions, for
 // the tests.  Every choice gives bitwise the same products.
 enum class Isa { none, avx2, avx512, avx512_emulated };
@@ -399,13 +398,13 @@ std::vector<int64_t> isa_classes() {
 namespace {
 Isa parse_isa(const std::string& name) {
   TORCH_CHECK(cpu_supported(), "this CPU has no AVX2/FMA, so no instruction set can be chosen");
-  if (name.empty() || name == "auto" || name == "avx2") return Isa::avx2;
+  if (name == "avx2") return Isa::avx2;
   if (name == "avx512-emulated") return Isa::avx512_emulated;
   if (name == "avx512") {
     TORCH_CHECK(cpu_has_avx512(), "this CPU has no AVX-512F instructions (use avx2, or avx512-emulated to test)");
     return Isa::avx512;
   }
-  TORCH_CHECK(false, "no instruction set '", name, "'; the choices are auto, avx2, avx512, avx512-emulated");
+  TORCH_CHECK(false, "no instruction set '", name, "'; the choices are avx2, avx512, avx512-emulated");
   return Isa::none;
 }
 }  // namespace
@@ -419,10 +418,9 @@ std::string set_isa_for_rows(int64_t first_rows, const std::string& name) {
   return isa_name(isa);
 }
 
-// The instruction set of every call: "" (or "auto": AVX2 here, the
-// measured choice being the plugin's, in Python), else one of "avx2",
-// "avx512", "avx512-emulated", refused where the CPU lacks it.  Returns the
-// one chosen.
+// The instruction set of every call: one of "avx2", "avx512",
+// "avx512-emulated", refused where the CPU lacks it ("auto" is resolved by
+// the plugin, in Python).  Returns the one chosen.
 std::string select_isa(const std::string& name) {
   const Isa isa = parse_isa(name);
   for (int c = 0; c < kIsaClasses; ++c) g_isa[c] = isa;
@@ -1773,7 +1771,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_prefetch_for_rows", &set_prefetch_for_rows,
         "whether the float32 and bfloat16 products of the class starting at first_rows prefetch (bitwise the same products)");
   m.def("select_isa", &select_isa,
-        "choose the products' instruction set for every call ('' or auto: avx2; avx2, avx512, avx512-emulated); returns it");
+        "choose the products' instruction set for every call (avx2, avx512, avx512-emulated); returns it");
   m.def("fma_rounds", &fma_rounds,
         "iters rounds of 16 register-only fused multiply-adds of 8 (avx2) or 16 (avx512) lanes: the arithmetic peak");
   m.def("pack", &pack, "pack an N x K weight into [ceil(N/8)][K][8] panels");
